@@ -1,0 +1,385 @@
+"""Job files: strict loading of a YAML job into a ``JobConfig``.
+
+A job file has five top-level keys: ``model``, ``engine``, ``input``, ``sampling``
+and ``output`` (see ``jobs/`` for commented examples). Loading is strict: an unknown
+or duplicate key, a value of the wrong type or out of range, an invalid sampling
+value or a missing input file raises ``JobConfigError`` whose message reads
+``<job file>:<line>: <dotted key>: <what is wrong and what is allowed>``.
+
+Invariants of a returned ``JobConfig``:
+- every value has its declared type and lies in its allowed range;
+- ``input.path`` and ``output.path`` are absolute (relative paths in the file
+  resolve against the job file's folder) and the input exists;
+- ``input.format`` is concrete (``auto`` has been resolved from the path);
+- ``sampling.params`` is a valid ``SamplingParams``.
+Columns are checked later, once the table is open (still before any model load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import string
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from batchgen.sampling_params import SamplingParams
+
+FORMATS = ("auto", "parquet", "jsonl", "hf_disk", "hf_hub")
+SUFFIX_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl"}
+MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+COMMAND_LINE = 0  # the "line" of a value given on the command line
+
+
+class JobConfigError(ValueError):
+    """A job that cannot run; the message names the file, line, key and what is allowed."""
+
+
+Check = Callable[[Any], Any]  # returns the (normalised) value or raises ValueError("expected ...")
+
+
+def _integer(min_value: int) -> Check:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < min_value:
+            raise ValueError(f"expected an integer >= {min_value}")
+        return value
+    return check
+
+
+def _choice(*choices: str) -> Check:
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"expected one of: {', '.join(choices)}")
+        return value
+    return check
+
+
+def _optional(check: Check) -> Check:
+    def optional(value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return check(value)
+        except ValueError as error:
+            raise ValueError(f"{error}, or null") from None
+    return optional
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("expected true or false")
+    return value
+
+
+def _text_list(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise ValueError("expected a list of column names")
+    return value
+
+
+def _device(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ValueError("expected one of: auto, cpu, cuda, cuda:N")
+    return value
+
+
+def _memory(value: Any) -> int:
+    """Bytes as an int, or a size such as ``"2GiB"`` / ``"512MiB"``; returns bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    if match and match.group(2).lower() in MEMORY_UNITS and float(match.group(1)) > 0:
+        return int(float(match.group(1)) * MEMORY_UNITS[match.group(2).lower()])
+    raise ValueError('expected a number of bytes or a size such as "512MiB" or "2GiB"')
+
+
+def _template(value: Any) -> str:
+    """A ``str.format`` template whose fields are plain names (``{prompt}``, ``{column}``)."""
+    text = _text(value)
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+    except ValueError as error:
+        raise ValueError(f"expected a template such as 'Question: {{prompt}}' ({error})") from None
+    if not names or not all(name.isidentifier() for name in names):
+        raise ValueError("expected a template naming columns in braces, such as 'Question: {prompt}'")
+    return text
+
+
+def template_columns(template: str) -> list[str]:
+    """Column names a (checked) prompt template refers to, in order, without repeats."""
+    names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    return list(dict.fromkeys(names))
+
+
+def _key(default: Any, check: Check) -> Any:
+    """A job-file key: its default and the check its value must pass."""
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs, passed to ``LLM(...)`` as keyword arguments."""
+
+    dtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))
+    device: str = _key("auto", _device)
+    block_size: int = _key(16, _integer(1))
+    kv_cache_memory: int | None = _key(None, _optional(_memory))
+    max_num_seqs: int = _key(256, _integer(1))
+    max_num_batched_tokens: int = _key(2048, _integer(1))
+    enable_prefix_caching: bool = _key(True, _boolean)
+
+
+@dataclass
+class InputConfig:
+    """Where the prompts come from and how a row becomes a prompt."""
+
+    path: Path | None = _key(None, _optional(_text))
+    format: str = _key("auto", _choice(*FORMATS))
+    dataset: str | None = _key(None, _optional(_text))
+    split: str = _key("train", _text)
+    prompt_column: str = _key("prompt", _text)
+    id_column: str | None = _key(None, _optional(_text))
+    system_prompt: str | None = _key(None, _optional(_text))
+    prompt_template: str | None = _key(None, _optional(_template))
+    apply_chat_template: bool = _key(True, _boolean)
+    carry_columns: list[str] = _key([], _text_list)
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling for every row; ``overrides`` maps a SamplingParams field to a column of per-row values."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    overrides: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class OutputConfig:
+    """Where answers go: a ``.parquet`` file (single file, input order) or a folder of shards."""
+
+    path: Path | None = _key(None, _optional(_text))
+    shard_size: int = _key(256, _integer(1))
+    mode: str = _key("resume", _choice("resume", "overwrite"))
+
+
+@dataclass
+class JobConfig:
+    """A validated job. ``key_lines`` maps dotted keys to their line (0: command line)."""
+
+    job_path: Path
+    model: str | None
+    engine: EngineConfig
+    input: InputConfig
+    sampling: SamplingConfig
+    output: OutputConfig
+    key_lines: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def error(self, key: str, message: str) -> JobConfigError:
+        """A ``JobConfigError`` for ``key`` located at its line in the job file."""
+        return _locate(self.job_path, self.key_lines, key, message)
+
+    def column_keys(self) -> dict[str, list[str]]:
+        """Every column the job reads, keyed by the dotted key that names it."""
+        columns = {"input.prompt_column": [self.input.prompt_column],
+                   "input.carry_columns": list(self.input.carry_columns)}
+        if self.input.id_column:
+            columns["input.id_column"] = [self.input.id_column]
+        if self.input.prompt_template:
+            names = template_columns(self.input.prompt_template)
+            columns["input.prompt_template"] = [name for name in names if name != "prompt"]
+        for name, column in self.sampling.overrides.items():
+            columns[f"sampling.overrides.{name}"] = [column]
+        return columns
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view (paths as strings), e.g. for fingerprints and summaries."""
+        return {
+            "model": self.model,
+            "engine": dataclasses.asdict(self.engine),
+            "input": {**dataclasses.asdict(self.input), "path": _str_or_none(self.input.path)},
+            "sampling": {**dataclasses.asdict(self.sampling.params), "overrides": dict(self.sampling.overrides)},
+            "output": {**dataclasses.asdict(self.output), "path": _str_or_none(self.output.path)},
+        }
+
+
+def _str_or_none(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _locate(job_path: Path, key_lines: dict[str, int], key: str, message: str) -> JobConfigError:
+    """Find the line of ``key`` (or of its nearest enclosing key) and build the error."""
+    parts = key.split(".")
+    for depth in range(len(parts), 0, -1):
+        line = key_lines.get(".".join(parts[:depth]))
+        if line == COMMAND_LINE:
+            return JobConfigError(f"command line: {key}: {message}")
+        if line is not None:
+            return JobConfigError(f"{job_path}:{line}: {key}: {message}")
+    return JobConfigError(f"{job_path}: {key}: {message}")
+
+
+def key_lines(job_path: Path, node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
+    """Map every dotted key of a composed YAML tree to its 1-based line; refuse duplicate keys."""
+    lines: dict[str, int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return lines
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        line = key_node.start_mark.line + 1
+        if key in lines:
+            raise JobConfigError(f"{job_path}:{line}: {key}: duplicate key (first at line {lines[key]})")
+        lines[key] = line
+        lines.update(key_lines(job_path, value_node, key + "."))
+    return lines
+
+
+SECTIONS = {"engine": EngineConfig, "input": InputConfig, "output": OutputConfig}
+TOP_KEYS = ("model", "engine", "input", "sampling", "output")
+
+
+def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Load and check a job file. ``overrides`` maps dotted keys (``output.path``) to values
+    that replace the file's (e.g. from command-line options); they are checked the same way."""
+    job_path = Path(path)
+    if not job_path.is_file():
+        raise JobConfigError(f"{job_path}: job file not found")
+    text = job_path.read_text()
+    try:
+        lines = key_lines(job_path, yaml.compose(text))
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise JobConfigError(f"{job_path}: not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise JobConfigError(f"{job_path}: expected a mapping with keys {', '.join(TOP_KEYS)}")
+    _apply_overrides(raw, lines, overrides or {})
+    locate = lambda key, message: _locate(job_path, lines, key, message)  # noqa: E731
+    _refuse_unknown(locate, "", raw, TOP_KEYS)
+    sections = {name: _section(locate, name, raw.get(name)) for name in TOP_KEYS[1:]}
+    config = JobConfig(
+        job_path=job_path,
+        model=_model(locate, raw.get("model"), job_path.parent),
+        engine=_parse_fields(locate, "engine", EngineConfig, sections["engine"]),
+        input=_parse_fields(locate, "input", InputConfig, sections["input"]),
+        sampling=_parse_sampling(locate, sections["sampling"]),
+        output=_parse_fields(locate, "output", OutputConfig, sections["output"]),
+        key_lines=lines,
+    )
+    _resolve_input(locate, config.input, job_path.parent)
+    _resolve_output(locate, config.output, job_path.parent)
+    return config
+
+
+def _apply_overrides(raw: dict, lines: dict[str, int], overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        if not isinstance(raw.get(section), dict):
+            raw[section] = {}
+        raw[section][name] = value
+        lines[key] = COMMAND_LINE
+
+
+def _refuse_unknown(locate: Callable, prefix: str, raw: dict, allowed: typing.Iterable[str]) -> None:
+    allowed = list(allowed)
+    for key in raw:
+        if key not in allowed:
+            raise locate(f"{prefix}{key}", f"unknown key; allowed: {', '.join(allowed)}")
+
+
+def _section(locate: Callable, name: str, value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise locate(name, f"expected a mapping of keys, got {value!r}")
+    return value
+
+
+def _model(locate: Callable, value: Any, job_dir: Path) -> str | None:
+    """``null`` (the default model), a local folder or ``.gguf`` file, or a hub id."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise locate("model", f"expected null, a local model folder, a .gguf file or a hub id, got {value!r}")
+    local = (job_dir / value).expanduser()
+    return str(local.resolve()) if local.exists() else value
+
+
+def _parse_fields(locate: Callable, name: str, cls: type, raw: dict) -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    _refuse_unknown(locate, f"{name}.", raw, names)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            try:
+                values[f.name] = f.metadata["check"](raw[f.name])
+            except ValueError as error:
+                raise locate(f"{name}.{f.name}", f"{error}, got {raw[f.name]!r}") from None
+    return cls(**values)
+
+
+def _parse_sampling(locate: Callable, raw: dict) -> SamplingConfig:
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    _refuse_unknown(locate, "sampling.", raw, [*names, "overrides"])
+    kwargs = {key: value for key, value in raw.items() if key != "overrides"}
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as error:
+        raise locate(_blamed_key(str(error), kwargs), str(error)) from None
+    return SamplingConfig(params=params, overrides=_parse_overrides(locate, raw.get("overrides"), names))
+
+
+def _parse_overrides(locate: Callable, raw: Any, names: list[str]) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise locate("sampling.overrides", f"expected a mapping of sampling field -> column, got {raw!r}")
+    _refuse_unknown(locate, "sampling.overrides.", raw, names)
+    for key, column in raw.items():
+        if not isinstance(column, str) or not column:
+            raise locate(f"sampling.overrides.{key}", f"expected a column name, got {column!r}")
+    return dict(raw)
+
+
+def _blamed_key(message: str, kwargs: dict[str, Any]) -> str:
+    """The sampling key a SamplingParams error message names first (else the whole section)."""
+    positions = {key: match.start() for key in kwargs if (match := re.search(rf"\b{key}\b", message))}
+    return f"sampling.{min(positions, key=positions.get)}" if positions else "sampling"
+
+
+def _resolve_input(locate: Callable, config: InputConfig, job_dir: Path) -> None:
+    if config.format == "hf_hub":
+        if config.dataset is None:
+            raise locate("input.dataset", "required with format hf_hub (a name for datasets.load_dataset)")
+        if config.path is not None:
+            raise locate("input.path", "not used with format hf_hub; name the dataset in input.dataset")
+        return
+    if config.dataset is not None:
+        raise locate("input.dataset", "only used with format hf_hub")
+    if config.path is None:
+        raise locate("input.path", "required: a .parquet or .jsonl file, or a datasets.save_to_disk folder")
+    config.path = (job_dir / Path(config.path).expanduser()).resolve()
+    if not config.path.exists():
+        raise locate("input.path", f"no such file or folder: {config.path}")
+    if config.format == "auto":
+        config.format = "hf_disk" if config.path.is_dir() else SUFFIX_FORMATS.get(config.path.suffix, "")
+        if not config.format:
+            raise locate("input.path", f"cannot tell the format of {config.path.name}; "
+                         f"set input.format to one of: {', '.join(FORMATS[1:])}")
+
+
+def _resolve_output(locate: Callable, config: OutputConfig, job_dir: Path) -> None:
+    if config.path is None:
+        raise locate("output.path", "required: a .parquet file or a folder for the shards")
+    config.path = (job_dir / Path(config.path).expanduser()).resolve()

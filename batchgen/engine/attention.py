@@ -1,0 +1,221 @@
+"""batchgen's attention for Hugging Face models: write new K/V into the paged pool, attend over it.
+
+The function registered with `transformers.AttentionInterface` under the name "batchgen"
+receives the layer's query/key/value after RoPE, for one flat packed batch of T tokens
+(batch dimension 1, no padding). The step's layout travels in the `batchgen_step` keyword
+argument that the model forwards to every attention call.
+
+Layout invariants (`AttentionMetadata`):
+- Tokens of one sequence are contiguous: sequence s owns rows
+  `query_start_loc[s]:query_start_loc[s+1]`.
+- After this step sequence s has `context_lens[s]` tokens in the cache; its query tokens are
+  the last `query_lens[s]` of them (positions `context_lens[s]-query_lens[s] ...`), and each
+  attends causally to every cached position up to its own.
+- `slot_mapping[t]` is the cache slot where token t's K/V are written.
+- Sequences with one query token (decoding) come first: `num_decode_seqs` of them.
+
+Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
+others; "native" batches decode rows through a compiled kernel that reads the pool in place
+(CPU) and runs prefill chunks through `scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "batchgen"
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: list[int]  # S+1 offsets into the packed tokens
+    query_lens: list[int]  # S
+    context_lens_list: list[int]  # S
+    context_lens: torch.Tensor  # [S] int32, on device
+    block_tables: torch.Tensor  # [S, max_blocks] int32, on device, padded with 0
+    block_tables_list: list[list[int]]  # S
+    num_decode_seqs: int
+    block_size: int
+
+
+@dataclass
+class AttentionStep:
+    """What one forward pass's attention calls need: the pool, the layout, the backend."""
+
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+    metadata: AttentionMetadata
+    backend: "AttentionBackend"
+
+
+class AttentionBackend:
+    """Computes attention for the packed batch; K/V of the new tokens are already in the pool."""
+
+    name = "base"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def context_slots(block_table: list[int], num_tokens: int, block_size: int, device) -> torch.Tensor:
+    """Cache slots of positions 0..num_tokens-1 of a sequence with this block table."""
+    positions = torch.arange(num_tokens, device=device)
+    table = torch.tensor(block_table, dtype=torch.long, device=device)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def attend_one_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions over `keys`/`values` ([L, Hkv, D]), in float32."""
+    num_queries, num_heads, _ = q.shape
+    num_keys, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    qf = q.float().transpose(0, 1)  # [H, Q, D]
+    kf = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    vf = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, L]
+    query_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)[:, None]
+    allowed = torch.arange(num_keys, device=q.device)[None, :] <= query_pos
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [H, Q, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+class ReferenceBackend(AttentionBackend):
+    """One sequence at a time: gather its K/V from the pool, masked softmax in float32."""
+
+    name = "reference"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        for s, (start, end) in enumerate(zip(meta.query_start_loc[:-1], meta.query_start_loc[1:])):
+            slots = context_slots(meta.block_tables_list[s], meta.context_lens_list[s], meta.block_size, q.device)
+            out[start:end] = attend_one_sequence(q[start:end], flat_k[slots], flat_v[slots], scale)
+        return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, Hkv, D]) at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def batchgen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The function transformers calls in every attention layer (query: [1, H, T, D]).
+
+    Outside a batchgen step (e.g. the same model used by `model.generate`) it defers to
+    transformers' SDPA attention, so a model handed to batchgen stays usable as before.
+    """
+    step: AttentionStep | None = kwargs.pop("batchgen_step", None)
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
+    write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register batchgen's attention with transformers; returns its name.
+
+    An attention name transformers has no mask function for gets no dense mask built: the
+    layout in AttentionMetadata is the mask.
+    """
+    AttentionInterface.register(ATTENTION_NAME, batchgen_attention)
+    return ATTENTION_NAME
+
+
+class NativeBackend(AttentionBackend):
+    """Decode rows in one batched call that reads the pool in place; prefill chunks via SDPA.
+
+    `decode` is the batched paged decode function for this device; a prefill chunk with no
+    cached context attends to its own new K/V without touching the pool.
+    """
+
+    name = "native"
+
+    def __init__(self, decode):
+        self.decode = decode
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_seqs
+        if num_decode:
+            out[:num_decode] = self.decode(q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode],
+                                           meta.context_lens[:num_decode], scale)
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        for s in range(num_decode, len(meta.query_lens)):
+            start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
+            num_context = meta.context_lens_list[s]
+            if num_context == end - start:
+                keys, values = k[start:end], v[start:end]
+            else:
+                slots = context_slots(meta.block_tables_list[s], num_context, meta.block_size, q.device)
+                keys, values = flat_k[slots], flat_v[slots]
+            out[start:end] = prefill_sdpa(q[start:end], keys, values, scale)
+        return out
+
+
+def prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA of the last q.shape[0] positions over keys/values ([L, Hkv, D])."""
+    num_queries, num_keys = q.shape[0], keys.shape[0]
+    mask = None
+    if num_queries != num_keys:
+        query_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)[:, None]
+        mask = torch.arange(num_keys, device=q.device)[None, :] <= query_pos
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.to(q.dtype).transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Portable batched decode: gathers each row's K/V (a copy) then one masked SDPA call."""
+    block_size = k_cache.shape[1]
+    max_len = int(context_lens.max())
+    positions = torch.arange(max_len, device=q.device)
+    blocks = block_tables[:, positions // block_size].long()
+    slots = blocks * block_size + positions % block_size  # [S, L]
+    keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, Hkv, D]
+    values = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out[:, :, 0, :]
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"reference", "native", or "auto" (native with the device's fastest decode path)."""
+    if name == "reference":
+        return ReferenceBackend()
+    if name not in ("auto", "native"):
+        raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
+    return NativeBackend(_decode_function(device))
+
+
+def _decode_function(device: torch.device):
+    if device.type == "cpu":
+        from batchgen.engine import cpu_attention
+
+        if cpu_attention.is_available():
+            return cpu_attention.paged_decode_attention
+    return gather_decode

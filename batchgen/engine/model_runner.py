@@ -1,0 +1,116 @@
+"""Model runner: pack one scheduled step into flat tensors, run the HF model once, return logits.
+
+Invariants:
+- One forward pass per step over all scheduled tokens, batch dimension 1, no padding:
+  decode sequences (one new token) first, then prefill chunks.
+- Token t's position id is its index in its sequence; its K/V go to the slot given by the
+  sequence's block table.
+- Logits are computed only for the last token of sequences that sample after this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.attention import AttentionMetadata, AttentionStep, make_backend, register
+from batchgen.engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @classmethod
+    def from_model(cls, model) -> KVCacheSpec:
+        config = model.config.get_text_config()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, model.dtype)
+
+
+class ModelRunner:
+    """Owns the model and the paged K/V pool."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, backend: str = "auto"):
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.spec = KVCacheSpec.from_model(model)
+        shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        self.backend = make_backend(backend, self.device)
+        model.set_attn_implementation(register())
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Run one step; returns float32 logits [num sampling sequences, vocab] in `scheduled` order.
+
+        `scheduled` must list one-token sequences first (see AttentionMetadata).
+        """
+        self._copy_blocks(block_copies)
+        input_ids, positions, metadata, sample_index = self._prepare(scheduled)
+        step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
+        output = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=sample_index,
+            batchgen_step=step,
+        )
+        return output.logits[0].float()
+
+    def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (a forked sequence's partial block)."""
+        if not block_copies:
+            return
+        src = torch.tensor([s for s, _ in block_copies], device=self.device)
+        dst = torch.tensor([d for _, d in block_copies], device=self.device)
+        for cache in (*self.k_caches, *self.v_caches):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    def _prepare(self, scheduled: list[ScheduledSeq]):
+        token_ids: list[int] = []
+        query_start_loc = [0]
+        query_lens, context_lens, block_tables, sample_index = [], [], [], []
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(seq.token_ids[start:end])
+            query_lens.append(item.num_new_tokens)
+            context_lens.append(end)
+            block_tables.append(seq.block_table)
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            if item.is_sampling:
+                sample_index.append(query_start_loc[-1] - 1)
+        device = self.device
+        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
+        starts = torch.tensor(context_lens) - torch.tensor(query_lens)
+        positions = starts[seq_of_token] + torch.arange(len(token_ids)) - torch.tensor(query_start_loc[:-1])[seq_of_token]
+        max_blocks = max(len(table) for table in block_tables)
+        table_tensor = torch.tensor([table + [0] * (max_blocks - len(table)) for table in block_tables], dtype=torch.int32)
+        slots = table_tensor[seq_of_token, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        num_decode = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        assert all(n != 1 for n in query_lens[num_decode:]), "one-token sequences must come first"
+        metadata = AttentionMetadata(
+            slot_mapping=slots.to(device),
+            query_start_loc=query_start_loc,
+            query_lens=query_lens,
+            context_lens_list=context_lens,
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=table_tensor.to(device),
+            block_tables_list=block_tables,
+            num_decode_seqs=num_decode,
+            block_size=self.block_size,
+        )
+        return (torch.tensor(token_ids, device=device), positions.to(device), metadata,
+                torch.tensor(sample_index, device=device))

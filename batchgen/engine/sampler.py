@@ -1,0 +1,178 @@
+"""Logits -> next tokens: greedy, temperature, top-k, top-p, min-p, seeds.
+
+One call to ``sample`` picks one token per row of a ``[num_rows, vocab]``
+logits tensor. The steps, in order:
+
+1. min_tokens: rows with fewer than ``min_tokens`` output tokens get ``-inf``
+   on every EOS id and every ``stop_token_ids`` entry.
+2. repetition penalty (Hugging Face semantics) over the row's prompt and
+   output tokens: a positive logit is divided by the penalty, any other is
+   multiplied by it.
+3. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax.
+4. other rows: divide by temperature, keep the ``top_k`` best tokens, keep
+   the smallest set whose probability reaches ``top_p``, drop tokens whose
+   probability is below ``min_p`` times the best one, then sample with the
+   exponential race (``argmax(p / q)`` with ``q ~ Exp(1)``, done in log space).
+
+Invariants:
+- The caller's logits tensor is never modified.
+- Greedy rows never consume randomness.
+- A seeded row draws exactly ``vocab`` exponentials from its own generator
+  per call and nothing from any other source, and its noise is indexed by
+  token id. The token it gets depends only on its own logits, its params and
+  its generator state, never on the other rows of the batch.
+- Unseeded rows share one batched draw from the default generator.
+- Filtering never removes a row's most likely token, so every sampled row
+  keeps at least one candidate.
+- Work a batch does not need is skipped: no sort unless some row uses top-k
+  or top-p, no penalty pass unless some row has a penalty, and a batch of
+  only greedy rows is a single argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.sampling_params import SamplingParams
+
+# Smallest exponential draw used, so that log(q) is always finite.
+_MIN_EXPONENTIAL = 1e-10
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits.
+
+    ``token_ids`` holds the prompt and the output so far (all ids < vocab);
+    ``generator`` is set exactly when ``params.seed`` is set and lives on the
+    logits' device.
+    """
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_output_tokens: int
+    generator: torch.Generator | None
+
+
+def make_generator(seed: int, sample_index: int, device: torch.device | str) -> torch.Generator:
+    """Generator for sample ``sample_index`` of a request seeded with ``seed`` (seeded with their sum)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed + sample_index)
+    return generator
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int]) -> list[int]:
+    """Pick one token id per row of ``logits`` (``[len(rows), vocab]``, any float dtype)."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
+    logits = logits.float()
+    logits = _mask_below_min_tokens(logits, rows, eos_token_ids)
+    logits = _apply_repetition_penalty(logits, rows)
+    sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if not sampled_rows:
+        return logits.argmax(dim=-1).tolist()
+    token_ids = logits.argmax(dim=-1)
+    index = torch.tensor(sampled_rows, device=logits.device)
+    sampled_ids = _sample_non_greedy(logits.index_select(0, index), [rows[i] for i in sampled_rows])
+    return token_ids.index_copy(0, index, sampled_ids).tolist()
+
+
+def _mask_below_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int]) -> torch.Tensor:
+    """Set EOS and stop-token logits to ``-inf`` for rows still below ``min_tokens``."""
+    vocab_size = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, row in enumerate(rows):
+        if row.num_output_tokens >= row.params.min_tokens:
+            continue
+        masked_ids = {t for t in (*eos_token_ids, *row.params.stop_token_ids) if 0 <= t < vocab_size}
+        row_index.extend([i] * len(masked_ids))
+        token_index.extend(masked_ids)
+    if not row_index:
+        return logits
+    index = (torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device))
+    return logits.index_put(index, torch.tensor(-math.inf, device=logits.device))
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalise every token already in a row's ``token_ids`` (rows with penalty 1 are untouched).
+
+    Token lists are padded with the row's own first token, so padding only
+    repeats an update that is already there.
+    """
+    penalised = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.token_ids]
+    if not penalised:
+        return logits
+    device = logits.device
+    max_len = max(len(rows[i].token_ids) for i in penalised)
+    padded = torch.empty(len(penalised), max_len, dtype=torch.long)
+    for j, i in enumerate(penalised):
+        ids = rows[i].token_ids
+        padded[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        padded[j, len(ids) :] = ids[0]
+    padded = padded.to(device)
+    penalties = torch.tensor([rows[i].params.repetition_penalty for i in penalised], device=device).unsqueeze(1)
+    index = torch.tensor(penalised, device=device)
+    selected = logits.index_select(0, index)
+    seen = selected.gather(1, padded)
+    seen = torch.where(seen > 0, seen / penalties, seen * penalties)
+    return logits.index_copy(0, index, selected.scatter(1, padded, seen))
+
+
+def _sample_non_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    temperatures = torch.tensor([row.params.temperature for row in rows], device=device).unsqueeze(1)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperatures
+    top_ks = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
+    top_ps = [row.params.top_p for row in rows]
+    if any(k < vocab_size for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = _apply_top_k_top_p(logits, top_ks, top_ps)
+    min_ps = [row.params.min_p for row in rows]
+    if any(p > 0.0 for p in min_ps):
+        logits = _apply_min_p(logits, min_ps)
+    return (logits - _exponential_noise(logits, rows).log()).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens, then its smallest set with probability >= ``top_p``.
+
+    One stable descending sort serves both filters; rows with ``top_k ==
+    vocab`` and ``top_p == 1`` come back bit-identical.
+    """
+    device = logits.device
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(logits.shape[1], device=device).unsqueeze(0)
+    top_k = torch.tensor(top_ks, device=device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(positions >= top_k, -math.inf)
+    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    is_dropped = (mass_before >= top_p) & (top_p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(is_dropped, -math.inf)
+    return torch.empty_like(logits).scatter(1, sorted_ids, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop tokens with probability below ``min_p`` times the row's best probability.
+
+    Rows arrive with their best logit at 0, so ``p / p_max`` is ``exp(logit)``
+    and the test is ``logit < log(min_p)`` (never true for ``min_p == 0``).
+    """
+    log_min_p = torch.tensor(min_ps, device=logits.device).log().unsqueeze(1)
+    return logits.masked_fill(logits < log_min_p, -math.inf)
+
+
+def _exponential_noise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``Exp(1)`` draws shaped like ``logits``: one batched draw for unseeded rows, one per seeded row."""
+    noise = torch.empty_like(logits)
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if len(seeded) < len(rows):
+        noise.exponential_()
+    for i in seeded:
+        noise[i].exponential_(generator=rows[i].generator)
+    return noise.clamp_min_(_MIN_EXPONENTIAL)

@@ -1,0 +1,91 @@
+"""Sequence: one sample of one request as the engine sees it.
+
+A request with `n` samples starts as one Sequence (sample 0); the others are forked from it
+once its prompt is computed, so they share the prompt's KV blocks.
+
+Invariants:
+- `token_ids` = prompt tokens followed by output tokens; it only grows.
+- `num_computed_tokens` tokens have their K/V in the blocks of `block_table`
+  (0 while waiting: a preempted sequence recomputes from scratch, helped by the prefix cache).
+- `block_table` covers at least `num_computed_tokens` tokens; it is append-only while running.
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+
+import torch
+
+from batchgen.outputs import RequestMetrics
+from batchgen.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens, KV bookkeeping, sampling state and timing of one sample."""
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        sample_index: int = 0,
+        generator: torch.Generator | None = None,
+    ):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_forks_pending = params.n - 1 if sample_index == 0 else 0
+        self.finish_reason: str | None = None
+        self.stop_text_end: int | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.last_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, sample_index: int, generator: torch.Generator | None) -> Sequence:
+        """A new sample of the same request with the same tokens and computed state.
+
+        The caller gives it its own block table (shared blocks, copied partial block).
+        """
+        child = Sequence(self.request_id, self.token_ids[: self.num_prompt_tokens], self.params,
+                         self.metrics.arrival_time, sample_index, generator)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        child.metrics.num_cached_tokens = self.metrics.num_cached_tokens
+        return child

@@ -1,0 +1,237 @@
+"""Read an input table of prompts (Parquet, JSONL, HF datasets) into `InputRow`s.
+
+Whole-input problems (missing file, missing column, unknown split) raise ValueError
+with a message for the user. Row problems never raise: the row comes back with
+`prompt=None` and `error` naming the row and the column, and gets an error output.
+
+JSONL is parsed line by line here: a line that is not a JSON object becomes a bad row
+(its message is kept in the hidden `LINE_ERROR_COLUMN`). A JSONL column whose values
+Arrow cannot hold in one type (say text in one row, a number in the next) is stored as
+JSON text and decoded again row by row, so each row is checked on its own values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.io.prompts import OVERRIDE_FIELDS, BadRowError, apply_template, build_prompt, check_prompt, read_overrides
+
+LINE_ERROR_COLUMN = "__batchgen_line_error__"
+JSON_COLUMNS_KEY = b"batchgen.json_columns"
+
+
+@dataclass
+class InputRow:
+    """One input row. Exactly one of `prompt` and `error` is None."""
+
+    index: int
+    """Row number in the input (0-based): the output order key."""
+    id: str
+    """The id column's value as str, else str(index)."""
+    prompt: str | list[dict] | None
+    """Text or chat messages, shaped by `build_prompt`; None when the row is bad."""
+    error: str | None
+    """Why the row is bad ("row 7: column 'prompt' is null"), else None."""
+    carried: dict
+    """Carried input columns {name: value}, values as the input table holds them."""
+    overrides: dict
+    """SamplingParams field -> this row's value, from the override columns."""
+
+
+def detect_format(path: str | Path) -> str:
+    """parquet | jsonl | hf_disk, from the suffix or the folder's contents."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            return "hf_disk"
+        if any(path.glob("*.parquet")):
+            return "parquet"
+    elif path.suffix.lower() in (".parquet", ".pq"):
+        return "parquet"
+    elif path.suffix.lower() in (".jsonl", ".ndjson"):
+        return "jsonl"
+    raise ValueError(
+        f"cannot tell the format of input {str(path)!r}: expected a .parquet or .jsonl file, "
+        "a folder of .parquet files or a folder saved by datasets.save_to_disk; set input.format"
+    )
+
+
+def open_table(spec: Any) -> pa.Table:
+    """Load the input named by `spec` (path, format, dataset, split) as one Arrow table."""
+    if spec.format == "hf_hub":
+        return _read_hub(spec.dataset or spec.path, spec.split)
+    path = Path(spec.path)
+    if not path.exists():
+        raise ValueError(f"input {str(path)!r} does not exist")
+    fmt = detect_format(path) if spec.format in (None, "auto") else spec.format
+    if fmt == "parquet":
+        return _read_parquet(path)
+    if fmt == "jsonl":
+        return read_jsonl(path)
+    if fmt == "hf_disk":
+        return _read_hf_disk(path, spec.split)
+    raise ValueError(f"unknown input format {fmt!r}; expected auto, parquet, jsonl, hf_disk or hf_hub")
+
+
+def _read_parquet(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise ValueError(f"cannot read {str(path)!r} as Parquet: {error}") from error
+
+
+def _read_hf_disk(path: Path, split: str) -> pa.Table:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as error:
+        raise ValueError(f"cannot load {str(path)!r} with datasets.load_from_disk: {error}") from error
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"split {split!r} is not in {str(path)!r}; available splits: {', '.join(loaded)}")
+        loaded = loaded[split]
+    return loaded.with_format("arrow")[:]
+
+
+def _read_hub(name: str, split: str) -> pa.Table:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(name, split=split)
+    except Exception as error:
+        raise ValueError(f"cannot load dataset {name!r} (split {split!r}) from the Hugging Face hub: {error}") from error
+    return loaded.with_format("arrow")[:]
+
+
+def read_jsonl(path: str | Path) -> pa.Table:
+    """One row per non-blank line; columns are the union of the objects' keys."""
+    records: list[dict] = []
+    line_errors: list[str | None] = []
+    with open(path, "rb") as file:
+        for line_number, raw in enumerate(file, start=1):
+            if not raw.strip():
+                continue
+            record, error = _parse_line(raw, line_number)
+            records.append(record)
+            line_errors.append(error)
+    names = list(dict.fromkeys(name for record in records for name in record))
+    columns, json_columns = {}, []
+    for name in names:
+        columns[name], is_json = _column_array([record.get(name) for record in records])
+        if is_json:
+            json_columns.append(name)
+    columns[LINE_ERROR_COLUMN] = pa.array(line_errors, pa.string())
+    table = pa.table(columns)
+    return table.replace_schema_metadata({JSON_COLUMNS_KEY: json.dumps(json_columns).encode()})
+
+
+def _parse_line(raw: bytes, line_number: int) -> tuple[dict, str | None]:
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        return {}, f"line {line_number}: invalid UTF-8: {error}"
+    except json.JSONDecodeError as error:
+        return {}, f"line {line_number}: invalid JSON: {error}"
+    if not isinstance(value, dict):
+        return {}, f"line {line_number}: expected a JSON object, got {type(value).__name__}"
+    return value, None
+
+
+def _column_array(values: list) -> tuple[pa.Array, bool]:
+    """(array, is_json): Arrow's inferred type when it fits every value, else JSON text."""
+    try:
+        return pa.array(values), False
+    except (pa.ArrowException, OverflowError, TypeError, ValueError):
+        return pa.array([None if value is None else json.dumps(value) for value in values], pa.string()), True
+
+
+def input_columns(table: pa.Table) -> list[str]:
+    """The table's user-visible column names."""
+    return [name for name in table.column_names if name != LINE_ERROR_COLUMN]
+
+
+def check_columns(table: pa.Table, spec: Any, overrides: dict[str, str] | None = None) -> None:
+    """Raise ValueError naming every column the job needs that the table lacks.
+
+    Needed: spec.prompt_column, spec.id_column (when set), spec.carry_columns, and the
+    columns named by `overrides` (SamplingParams field -> column), whose keys must be
+    SamplingParams fields.
+    """
+    overrides = overrides or {}
+    unknown = [name for name in overrides if name not in OVERRIDE_FIELDS]
+    if unknown:
+        raise ValueError(
+            f"sampling.overrides: {', '.join(map(repr, unknown))} not a SamplingParams field; "
+            f"allowed: {', '.join(OVERRIDE_FIELDS)}"
+        )
+    needed = [(spec.prompt_column, "input.prompt_column")]
+    if spec.id_column:
+        needed.append((spec.id_column, "input.id_column"))
+    needed += [(name, "input.carry_columns") for name in spec.carry_columns]
+    needed += [(column, f"sampling.overrides.{name}") for name, column in overrides.items()]
+    available = input_columns(table)
+    missing = [f"{column!r} ({role})" for column, role in needed if column not in available]
+    if missing:
+        raise ValueError(
+            f"input is missing column(s) {', '.join(missing)}; available columns: {', '.join(available) or '(none)'}"
+        )
+
+
+def carried_fields(table: pa.Table, spec: Any) -> list[pa.Field]:
+    """The Arrow fields of the carried columns, in spec order, for `output_schema`."""
+    return [table.schema.field(name) for name in spec.carry_columns]
+
+
+def iter_rows(
+    table: pa.Table, spec: Any, limit: int | None = None, overrides: dict[str, str] | None = None
+) -> Iterator[InputRow]:
+    """Yield the first `limit` rows (all when None) in input order, one InputRow each.
+
+    Call `check_columns` first: the columns it checks are assumed present.
+    """
+    if limit is not None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        table = table.slice(0, limit)
+    metadata = table.schema.metadata or {}
+    json_columns = set(json.loads(metadata.get(JSON_COLUMNS_KEY, b"[]")))
+    index = 0
+    for batch in table.to_batches():
+        for record in batch.to_pylist():
+            yield _make_row(index, record, spec, overrides or {}, json_columns)
+            index += 1
+
+
+def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], json_columns: set[str]) -> InputRow:
+    line_error = record.pop(LINE_ERROR_COLUMN, None)
+    values = {name: _decode(value) if name in json_columns else value for name, value in record.items()}
+    row_id = _row_id(index, values, spec.id_column)
+    carried = {name: record.get(name) for name in spec.carry_columns}
+    if line_error is not None:
+        return InputRow(index, row_id, None, f"row {index}: {line_error}", carried, {})
+    try:
+        prompt = check_prompt(values.get(spec.prompt_column), spec.prompt_column)
+        if isinstance(prompt, str) and spec.prompt_template:
+            prompt = apply_template(spec.prompt_template, prompt, values)
+        prompt = build_prompt(prompt, spec)
+        row_overrides = read_overrides(values, overrides)
+    except BadRowError as error:
+        return InputRow(index, row_id, None, f"row {index}: {error}", carried, {})
+    return InputRow(index, row_id, prompt, None, carried, row_overrides)
+
+
+def _decode(value: Any) -> Any:
+    return None if value is None else json.loads(value)
+
+
+def _row_id(index: int, values: dict, id_column: str | None) -> str:
+    """The id column's value as str; the row number when there is no id column or the cell is null."""
+    value = values.get(id_column) if id_column else None
+    return str(index) if value is None else str(value)

@@ -1,0 +1,66 @@
+"""What `LLM.generate` returns: one RequestOutput per prompt, one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Timing and token counts of one sample. Times are absolute `time.time()` seconds.
+
+    Invariants: arrival <= first_scheduled <= first_token <= finished whenever set;
+    len(inter_token_latencies) == max(num_output_tokens - 1, 0) for completed samples.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. `finish_reason` is "stop", "length" or "error"."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+    metrics: RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    """The answer to one prompt: `request_id` is the prompt's position in the input list.
+
+    `error` is set when the request as a whole failed (bad input); its outputs then carry
+    finish_reason "error" and the same message.
+    """
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.outputs[0].metrics

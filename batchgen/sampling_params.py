@@ -1,0 +1,131 @@
+"""Per-request sampling settings.
+
+``SamplingParams`` is validated once, in ``__post_init__``: every field is
+checked for type and range and a bad value raises ``ValueError`` naming the
+field, the allowed range and the value given. After construction the fields
+are normalised: float fields are ``float``, int fields are ``int``, ``top_k``
+is ``0`` when off (``-1`` is accepted as an alias), ``stop`` is a list of
+non-empty strings and ``stop_token_ids`` a list of non-negative ints.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completions of one prompt.
+
+    ``n`` samples are drawn per prompt; with a ``seed``, sample ``i`` uses
+    ``seed + i``, so each sample is reproducible on its own. ``min_tokens``
+    masks EOS and ``stop_token_ids`` until that many tokens are generated.
+    ``repetition_penalty`` follows Hugging Face semantics over prompt and
+    output tokens.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n, ">= 1", lambda v: v >= 1)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
+        self.min_tokens = _check_int(
+            "min_tokens", self.min_tokens, f"in [0, max_tokens={self.max_tokens}]", lambda v: 0 <= v <= self.max_tokens
+        )
+        self.temperature = _check_float("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        top_k = _check_int("top_k", self.top_k, ">= 1, or 0 / -1 for off", lambda v: v >= -1)
+        self.top_k = max(top_k, 0)
+        self.top_p = _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        self.min_p = _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0)
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed, f"in [0, {MAX_SEED}] or None", lambda v: 0 <= v <= MAX_SEED)
+        self.stop = _check_stop(self.stop)
+        self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (``temperature == 0`` or ``top_k == 1``)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (lists copied), safe for JSON and YAML."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Build from a mapping of field names; unknown keys are refused, missing keys take defaults."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"sampling params must be a mapping, got {type(data).__name__}")
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(str(key) for key in data if key not in allowed)
+        if unknown:
+            raise ValueError(f"unknown sampling params {unknown}; allowed keys: {', '.join(allowed)}")
+        return cls(**data)
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_int(name: str, value: Any, rule: str, is_allowed: Callable[[int], bool]) -> int:
+    """Return ``value`` as an int; bools, floats and strings are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int {rule}, got {_describe(value)}")
+    value = int(value)
+    if not is_allowed(value):
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: Any, rule: str, is_allowed: Callable[[float], bool]) -> float:
+    """Return ``value`` as a finite float; ints are accepted, bools and strings are not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number {rule}, got {_describe(value)}")
+    value = float(value)
+    if not math.isfinite(value) or not is_allowed(value):
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (true or false), got {_describe(value)}")
+
+
+def _check_stop(stop: Any) -> list[str]:
+    """Normalise ``stop`` to a list of non-empty strings (a single str becomes a one-item list)."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a str or a list of str, got {_describe(stop)}")
+    if any(s == "" for s in stop):
+        raise ValueError(f"stop strings must be non-empty, got {stop!r}")
+    return list(stop)
+
+
+def _check_stop_token_ids(stop_token_ids: Any) -> list[int]:
+    """Normalise ``stop_token_ids`` to a list of ints >= 0."""
+    if not isinstance(stop_token_ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of int >= 0, got {_describe(stop_token_ids)}")
+    return [_check_int("stop_token_ids item", t, ">= 0", lambda v: v >= 0) for t in stop_token_ids]

@@ -1,0 +1,137 @@
+"""The C paged-attention decode kernel against a plain gather + float64 softmax reference."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from batchgen.engine import cpu_attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the kernel")
+
+BLOCK_SIZE = 16
+
+
+def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Gather each sequence's K/V through its block table; softmax in float64."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s in range(num_seqs):
+        positions = torch.arange(int(context_lens[s]))
+        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
+        keys = flat_k[slots].repeat_interleave(group, dim=1)      # [len, num_heads, head_dim]
+        values = flat_v[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
+        out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """Random q and caches, with each sequence's blocks scattered over a shuffled pool."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_tables = torch.full((len(context_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
+    offset = 0
+    for s, count in enumerate(blocks_per_seq):
+        block_tables[s, :count] = block_ids[offset:offset + count]
+        offset += count
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    q = torch.randn((len(context_lens), num_heads, head_dim), generator=generator).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 317]
+SHAPES = [(4, 4, 64), (9, 3, 64), (12, 3, 32), (8, 2, 32)]  # GQA groups 1, 3, 4, 4
+
+
+# (dtype, absolute, relative) tolerance; half-precision outputs are rounded once from float32.
+TOLERANCES = [(torch.float32, 1e-5, 0.0), (torch.bfloat16, 1e-2, 8e-3), (torch.float16, 1e-3, 1e-3)]
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
+def test_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim):
+    seed = zlib.crc32(f"{dtype}-{num_heads}-{num_kv_heads}-{head_dim}".encode())
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs(
+        CONTEXT_LENS, num_heads, num_kv_heads, head_dim, dtype, seed)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    result = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+    assert result is out and result.dtype == dtype
+    assert not torch.isnan(out).any()
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
+
+
+def test_single_token_context_returns_its_value():
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs([1], 6, 2, 32, torch.float32, seed=1)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+    value = v_cache[int(block_tables[0, 0]), 0]                     # [num_kv_heads, head_dim]
+    assert torch.equal(out[0], value.repeat_interleave(3, dim=0))
+
+
+def test_runs_single_threaded(monkeypatch):
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs([40, 200], 9, 3, 64, torch.float32, seed=2)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    assert (out.double() - expected).abs().max().item() < 1e-5
+
+
+def test_rejects_out_of_range_block_id():
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=3)
+    block_tables[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block table entry"):
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+
+
+def test_rejects_context_longer_than_block_table():
+    q, k_cache, v_cache, block_tables, _ = make_inputs([20], 4, 4, 32, torch.float32, seed=4)
+    too_long = torch.tensor([block_tables.shape[1] * BLOCK_SIZE + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="context length"):
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, too_long, 0.1)
+
+
+def test_rejects_mismatched_inputs():
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_attention.paged_decode_attention(q.bfloat16(), k_cache, v_cache, block_tables, context_lens, 0.1)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables.long(), context_lens, 0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        strided_k_cache = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+        cpu_attention.paged_decode_attention(q, strided_k_cache, v_cache, block_tables, context_lens, 0.1)
+
+
+def test_missing_compiler_makes_kernel_unavailable(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CC", "batchgen-no-such-compiler")
+    cpu_attention._load_kernel.cache_clear()
+    try:
+        assert cpu_attention.is_available() is False
+        with pytest.raises(RuntimeError, match="unavailable"):
+            q, k_cache, v_cache, block_tables, context_lens = make_inputs([5], 2, 1, 32, torch.float32, seed=6)
+            cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+    finally:
+        cpu_attention._load_kernel.cache_clear()
+
+
+def test_builds_into_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    cpu_attention._load_kernel.cache_clear()
+    try:
+        assert cpu_attention.is_available()
+        built = list((tmp_path / "kernels").iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+    finally:
+        cpu_attention._load_kernel.cache_clear()

@@ -1,0 +1,141 @@
+import pytest
+
+from batchgen.engine import radix_tree
+from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
+
+
+def build(prompts: dict[int, list[int]], block_size: int = 16) -> RadixTree:
+    tree = RadixTree(block_size=block_size)
+    for request_id, token_ids in prompts.items():
+        tree.insert(request_id, token_ids)
+    return tree
+
+
+def test_shared_prefix_is_prefilled_once():
+    prefix = list(range(160))  # 10 full blocks
+    prompts = {i: prefix + [1000 + 5 * i + j for j in range(5)] for i in range(16)}
+    tree = build(prompts)
+    stats = tree.stats()
+    assert stats.num_requests == 16
+    assert stats.num_prompt_tokens == 16 * 165
+    assert stats.num_tokens_to_prefill == 160 + 16 * 5
+    assert stats.num_cached_tokens == 16 * 165 - (160 + 16 * 5)
+    assert stats.ideal_hit_rate == pytest.approx(stats.num_cached_tokens / (16 * 165))
+    assert tree.order() == list(range(16))
+    assert tree.prefix_groups() == [PrefixGroup(16, 160, prefix, list(range(16)))]
+
+
+def test_duplicates_with_partial_tail_reuse_all_full_blocks():
+    tree = build({0: list(range(40)), 1: list(range(40)), 2: list(range(40))})
+    assert tree.stats().num_tokens_to_prefill == 40 + 8 + 8
+    assert tree.order() == [0, 1, 2]
+    assert tree.prefix_groups() == [PrefixGroup(3, 32, list(range(32)), [0, 1, 2])]
+
+
+def test_block_aligned_duplicates_recompute_their_last_block():
+    tree = build({0: list(range(32)), 1: list(range(32)), 2: list(range(32))})
+    assert tree.stats().num_tokens_to_prefill == 32 + 16 + 16
+
+
+def test_block_aligned_prefix_of_another_runs_first():
+    tree = build({0: list(range(48)), 1: list(range(32))})
+    assert tree.order() == [1, 0]
+    stats = tree.stats()
+    assert stats.num_prompt_tokens == 80
+    # 1 computes its 32 tokens, 0 reuses both blocks and computes its last 16.
+    assert stats.num_tokens_to_prefill == 32 + 16
+    assert stats.num_cached_tokens == 32
+
+
+def test_unaligned_prefix_of_another_shares_only_full_blocks():
+    tree = build({0: list(range(48)), 1: list(range(40))})
+    assert tree.order() == [1, 0]
+    stats = tree.stats()
+    # The 8-token tail of 1 is not a full block, so 0 recomputes its third block.
+    assert stats.num_tokens_to_prefill == 40 + 16
+    assert stats.num_cached_tokens == 32
+    assert tree.prefix_groups() == [PrefixGroup(2, 32, list(range(32)), [0, 1])]
+
+
+def test_prompts_shorter_than_a_block_share_nothing():
+    tree = build({0: [1, 2, 3], 1: [1, 2, 3], 2: [5] * 15, 3: [9] * 16, 4: [9] * 16})
+    assert tree.order() == [0, 1, 2, 3, 4]
+    stats = tree.stats()
+    # A single-block prompt may reuse (16 - 1) // 16 = 0 blocks.
+    assert stats.num_tokens_to_prefill == 3 + 3 + 15 + 16 + 16
+    assert stats.num_cached_tokens == 0
+    assert stats.ideal_hit_rate == 0.0
+    assert tree.prefix_groups() == [PrefixGroup(2, 16, [9] * 16, [3, 4])]
+
+
+def test_order_groups_siblings_heavier_subtree_first():
+    p, q = [1, 1, 1, 1], [2, 2, 2, 2]
+    prompts = {0: q + [10], 1: p + [11], 2: q + [12], 3: p + [13], 4: p + [5, 5, 5, 5, 14]}
+    tree = build(prompts, block_size=4)
+    assert tree.order() == [1, 3, 4, 0, 2]
+
+
+def test_order_ties_follow_first_insertion_not_request_id():
+    r, s = [3] * 4, [4] * 4
+    tree = build({10: r + [1], 5: s + [1], 11: r + [2], 6: s + [2]}, block_size=4)
+    assert tree.order() == [10, 11, 5, 6]
+
+
+def test_order_is_depth_first_with_heavier_child_first_inside_a_subtree():
+    a, b, c = [1] * 4, [2] * 4, [3] * 4
+    prompts = {0: a + b, 1: a + c + [0], 2: a + c + [1], 3: a, 4: b}
+    tree = build(prompts, block_size=4)
+    # Under a: 3 ends there, then c (2 requests) before b (1 request); the b root branch last.
+    assert tree.order() == [3, 1, 2, 0, 4]
+
+
+def test_hash_collision_does_not_merge_different_blocks(monkeypatch):
+    def colliding_hashes(token_ids, block_size):
+        return [7] * (len(token_ids) // block_size)
+
+    monkeypatch.setattr(radix_tree, "hash_blocks", colliding_hashes)
+    tree = build({0: [1] * 16 + [9], 1: [2] * 16 + [9], 2: [1] * 16 + [3]})
+    assert tree.order() == [0, 2, 1]
+    assert tree.stats().num_tokens_to_prefill == 17 + 1 + 17
+    assert tree.prefix_groups() == [PrefixGroup(2, 16, [1] * 16, [0, 2])]
+
+
+def test_prefix_groups_report_deepest_shared_prefixes_by_tokens_saved():
+    p = [1, 2, 3, 4]
+    p3 = p + [5, 6, 7, 8] + [9, 9, 9, 9]
+    prompts = {0: p3 + [10] * 4 + [1], 1: p3 + [11] * 4, 2: p + [12] * 4, 3: [20] * 8, 4: [1, 2]}
+    tree = build(prompts, block_size=4)
+    # p3 saves (2 - 1) * 12 = 12 tokens, p saves (3 - 1) * 4 = 8; the middle block of p3 is
+    # shared by the same two requests as p3 and is not reported.
+    assert tree.prefix_groups() == [PrefixGroup(2, 12, p3, [0, 1]), PrefixGroup(3, 4, p, [0, 1, 2])]
+    assert tree.prefix_groups(max_groups=1) == [PrefixGroup(2, 12, p3, [0, 1])]
+
+
+def test_empty_tree():
+    tree = RadixTree(block_size=16)
+    assert tree.order() == []
+    assert tree.stats() == PlanStats(0, 0, 0, 0, 0.0)
+    assert tree.prefix_groups() == []
+
+
+def test_empty_prompt_counts_no_tokens():
+    tree = build({0: [], 1: list(range(20))})
+    assert tree.order() == [0, 1]
+    assert tree.stats() == PlanStats(2, 20, 20, 0, 0.0)
+
+
+def test_duplicate_request_id_is_rejected():
+    tree = build({0: [1, 2, 3]})
+    with pytest.raises(ValueError, match="request id 0"):
+        tree.insert(0, [4, 5])
+
+
+def test_deep_prompt_has_no_recursion_limit():
+    long_prompt = [i % 1000 for i in range(50_000)]  # 3125 full blocks
+    tree = build({0: long_prompt + [7] * 18, 1: long_prompt, 2: [1] * 20})
+    assert tree.order() == [1, 0, 2]
+    # 1 computes everything; 0 reuses all 3125 blocks and computes its extra block + 2-token tail.
+    assert tree.stats().num_tokens_to_prefill == 50_000 + 18 + 20
+    [group] = tree.prefix_groups()
+    assert (group.num_requests, group.num_shared_tokens, group.request_ids) == (2, 50_000, [0, 1])
+    assert group.shared_token_ids == long_prompt

@@ -1,0 +1,260 @@
+"""Reading input tables: formats, ids, carried columns, overrides, bad rows, limits."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.io.readers import carried_fields, check_columns, detect_format, iter_rows, open_table
+
+ROWS = [
+    {"qid": "a", "prompt": "What is 2+2?", "topic": "math", "temp": 0.5},
+    {"qid": "b", "prompt": "Name a colour.", "topic": "art", "temp": None},
+    {"qid": "c", "prompt": "Say hi.", "topic": "misc", "temp": 1.0},
+]
+
+
+def make_spec(path=None, **changes) -> SimpleNamespace:
+    spec = dict(
+        path=str(path) if path else None,
+        format="auto",
+        dataset=None,
+        split="train",
+        prompt_column="prompt",
+        id_column=None,
+        system_prompt=None,
+        prompt_template=None,
+        apply_chat_template=False,
+        carry_columns=[],
+    )
+    spec.update(changes)
+    return SimpleNamespace(**spec)
+
+
+def write_jsonl(path, lines: list) -> None:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+
+
+def rows_of(records: list[dict], overrides: dict | None = None, **changes) -> list:
+    return list(iter_rows(pa.Table.from_pylist(records), make_spec(**changes), overrides=overrides))
+
+
+@pytest.fixture
+def inputs(tmp_path) -> dict:
+    table = pa.Table.from_pylist(ROWS)
+    pq.write_table(table, tmp_path / "in.parquet")
+    write_jsonl(tmp_path / "in.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])}
+    ).save_to_disk(str(tmp_path / "dd"))
+    return {
+        "parquet": tmp_path / "in.parquet",
+        "jsonl": tmp_path / "in.jsonl",
+        "hf_disk": tmp_path / "ds",
+        "hf_dict": tmp_path / "dd",
+    }
+
+
+@pytest.mark.parametrize("name,expected", [("parquet", "parquet"), ("jsonl", "jsonl"), ("hf_disk", "hf_disk"), ("hf_dict", "hf_disk")])
+def test_detect_format(inputs, name, expected):
+    assert detect_format(inputs[name]) == expected
+
+
+def test_detect_format_unknown_suffix_names_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="set input.format"):
+        detect_format(tmp_path / "data.csv")
+
+
+@pytest.mark.parametrize("name", ["parquet", "jsonl", "hf_disk", "hf_dict"])
+def test_every_format_reads_the_same_rows(inputs, name):
+    spec = make_spec(inputs[name], id_column="qid", carry_columns=["topic"])
+    table = open_table(spec)
+    check_columns(table, spec, {"temperature": "temp"})
+    rows = list(iter_rows(table, spec, overrides={"temperature": "temp"}))
+    assert [row.index for row in rows] == [0, 1, 2]
+    assert [row.id for row in rows] == ["a", "b", "c"]
+    assert [row.prompt for row in rows] == [r["prompt"] for r in ROWS]
+    assert [row.error for row in rows] == [None, None, None]
+    assert [row.carried for row in rows] == [{"topic": "math"}, {"topic": "art"}, {"topic": "misc"}]
+    assert [row.overrides for row in rows] == [{"temperature": 0.5}, {}, {"temperature": 1.0}]
+
+
+def test_dataset_dict_split_is_picked_and_unknown_split_lists_splits(inputs):
+    table = open_table(make_spec(inputs["hf_dict"], split="test"))
+    assert table.num_rows == 1
+    with pytest.raises(ValueError, match="available splits: train, test"):
+        open_table(make_spec(inputs["hf_dict"], split="validation"))
+
+
+def test_explicit_format_and_missing_input(inputs, tmp_path):
+    copy = tmp_path / "rows.txt"
+    copy.write_bytes(inputs["jsonl"].read_bytes())
+    assert open_table(make_spec(copy, format="jsonl")).num_rows == 3
+    with pytest.raises(ValueError, match="does not exist"):
+        open_table(make_spec(tmp_path / "nope.parquet"))
+
+
+def test_hub_failure_is_a_clean_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ValueError, match="cannot load dataset 'no-such-org/no-such-set'"):
+        open_table(make_spec(format="hf_hub", dataset="no-such-org/no-such-set"))
+
+
+def test_id_defaults_to_row_number_and_null_id_falls_back():
+    rows = rows_of([{"prompt": "x", "k": 7}, {"prompt": "y", "k": None}], id_column="k")
+    assert [row.id for row in rows] == ["7", "1"]
+    assert [row.id for row in rows_of([{"prompt": "x"}, {"prompt": "y"}])] == ["0", "1"]
+
+
+def test_carried_fields_keep_input_types():
+    table = pa.Table.from_pylist([{"prompt": "x", "score": 1.5, "tags": ["a"]}])
+    fields = carried_fields(table, make_spec(carry_columns=["tags", "score"]))
+    assert [(f.name, f.type) for f in fields] == [("tags", pa.list_(pa.string())), ("score", pa.float64())]
+
+
+def test_missing_columns_are_named_with_available_ones():
+    table = pa.Table.from_pylist([{"question": "x", "topic": "t"}])
+    spec = make_spec(id_column="qid", carry_columns=["topic", "level"])
+    with pytest.raises(ValueError) as error:
+        check_columns(table, spec, {"max_tokens": "budget"})
+    message = str(error.value)
+    for expected in ["'prompt' (input.prompt_column)", "'qid' (input.id_column)", "'level' (input.carry_columns)",
+                     "'budget' (sampling.overrides.max_tokens)", "available columns: question, topic"]:
+        assert expected in message
+    assert "'topic'" not in message.split(";")[0]
+
+
+def test_unknown_override_field_is_refused():
+    table = pa.Table.from_pylist([{"prompt": "x", "t": 1}])
+    with pytest.raises(ValueError, match="'temp' not a SamplingParams field"):
+        check_columns(table, make_spec(), {"temp": "t"})
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        (None, "row 0: column 'prompt' is null"),
+        ("", "row 0: column 'prompt' is empty or whitespace only"),
+        ("  \n\t", "row 0: column 'prompt' is empty or whitespace only"),
+        (42, "row 0: column 'prompt' has type int, expected text"),
+        ({"role": "user"}, "row 0: column 'prompt' has type dict, expected text"),
+        ([], "row 0: column 'prompt' is an empty list of messages"),
+        (["hi"], "row 0: column 'prompt': message 0 has type str, expected an object"),
+        ([{"content": "hi"}], "row 0: column 'prompt': message 0 has no 'role'"),
+        ([{"role": "bot", "content": "hi"}], "row 0: column 'prompt': message 0 has unknown role 'bot'"),
+        ([{"role": "user", "content": "a"}, {"role": "user"}], "row 0: column 'prompt': message 1 has no 'content'"),
+        ([{"role": "user", "content": 3}], "row 0: column 'prompt': message 0: 'content' has type int"),
+    ],
+)
+def test_bad_prompt_gives_error_row(tmp_path, value, message):
+    path = tmp_path / "bad.jsonl"
+    write_jsonl(path, [{"prompt": value, "topic": "t"}])
+    spec = make_spec(path, apply_chat_template=True, carry_columns=["topic"])
+    [row] = iter_rows(open_table(spec), spec)
+    assert row.prompt is None
+    assert row.error.startswith(message), row.error
+    assert row.carried == {"topic": "t"}
+
+
+def test_bad_rows_do_not_disturb_good_rows_of_mixed_types(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    write_jsonl(path, [{"prompt": "ok"}, {"prompt": 5}, {"prompt": [{"role": "user", "content": "hey"}]}, {}])
+    spec = make_spec(path, apply_chat_template=True)
+    rows = list(iter_rows(open_table(spec), spec))
+    assert rows[0].prompt == [{"role": "user", "content": "ok"}]
+    assert rows[1].error.startswith("row 1: column 'prompt' has type int")
+    assert rows[2].prompt == [{"role": "user", "content": "hey"}]
+    assert rows[3].error == "row 3: column 'prompt' is null"
+
+
+def test_malformed_jsonl_lines_become_bad_rows(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(b'{"prompt": "one"}\n\n{"prompt": "tw\n[1, 2]\n\xff\xfe\n{"prompt": "three"}\n')
+    spec = make_spec(path)
+    rows = list(iter_rows(open_table(spec), spec))
+    assert [row.prompt for row in rows] == ["one", None, None, None, "three"]
+    assert rows[1].error.startswith("row 1: line 3: invalid JSON: ")
+    assert rows[2].error == "row 2: line 4: expected a JSON object, got list"
+    assert rows[3].error.startswith("row 3: line 5: invalid UTF-8")
+    assert rows[4].index == 4 and rows[4].error is None
+
+
+def test_messages_nulls_from_arrow_structs_are_dropped():
+    messages = [{"role": "system", "content": "be brief", "name": "x"}, {"role": "user", "content": "hi"}]
+    [row] = rows_of([{"prompt": messages}], apply_chat_template=True)
+    assert row.prompt == messages
+    [row] = rows_of([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": messages}], apply_chat_template=True)[:1]
+    assert row.prompt == [{"role": "user", "content": "hi"}]
+
+
+def test_prompt_template_uses_prompt_and_columns():
+    rows = rows_of(
+        [{"q": "2+2?", "topic": "math"}, {"q": "hue?", "topic": None}],
+        prompt_column="q",
+        prompt_template="[{topic}] Question: {prompt}\nAnswer:",
+    )
+    assert rows[0].prompt == "[math] Question: 2+2?\nAnswer:"
+    assert rows[1].error == "row 1: prompt_template refers to {topic}, which is not a column of this row or is null"
+
+
+def test_prompt_template_errors_are_bad_rows():
+    [row] = rows_of([{"prompt": "x"}], prompt_template="{prompt} {0}")
+    assert row.error.startswith("row 0: prompt_template cannot be applied to this row")
+
+
+def test_system_prompt_and_chat_template_shaping():
+    records = [{"prompt": "hi"}, {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "yo"}]}]
+    chat = rows_of(records, apply_chat_template=True, system_prompt="sys")
+    assert chat[0].prompt == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    assert chat[1].prompt[0] == {"role": "system", "content": "own"} and len(chat[1].prompt) == 2
+    plain = rows_of(records, apply_chat_template=False, system_prompt="sys")
+    assert plain[0].prompt == "sys\n\nhi"
+    assert plain[1].error == "row 1: column 'prompt' holds chat messages, which need input.apply_chat_template: true"
+
+
+def test_overrides_are_typed_and_bad_types_are_bad_rows():
+    overrides = {"max_tokens": "mt", "stop": "st", "ignore_eos": "ie", "stop_token_ids": "ids"}
+    records = [
+        {"prompt": "a", "mt": 8.0, "st": "END", "ie": True, "ids": [1, 2]},
+        {"prompt": "b", "mt": None, "st": None, "ie": None, "ids": None},
+    ]
+    rows = rows_of(records, overrides=overrides)
+    assert rows[0].overrides == {"max_tokens": 8, "stop": ["END"], "ignore_eos": True, "stop_token_ids": [1, 2]}
+    assert rows[1].overrides == {}
+    bad = [
+        ({"mt": 2.5}, "row 0: column 'mt' (override for max_tokens) has float value 2.5, expected an integer"),
+        ({"mt": True}, "row 0: column 'mt' (override for max_tokens) has bool value True, expected an integer"),
+        ({"ie": 1}, "row 0: column 'ie' (override for ignore_eos) has int value 1, expected a boolean"),
+        ({"st": [1]}, "row 0: column 'st' (override for stop) has list value [1], expected a string or a list"),
+    ]
+    for values, message in bad:
+        [row] = rows_of([{"prompt": "a", **values}], overrides={k: v for k, v in overrides.items() if v in values})
+        assert row.prompt is None and row.overrides == {}
+        assert row.error.startswith(message), row.error
+
+
+def test_mixed_type_override_column_in_jsonl(tmp_path):
+    path = tmp_path / "o.jsonl"
+    write_jsonl(path, [{"prompt": "a", "t": 0.2}, {"prompt": "b", "t": "hot"}, {"prompt": "c", "t": 1}])
+    spec = make_spec(path, carry_columns=["t"])
+    rows = list(iter_rows(open_table(spec), spec, overrides={"temperature": "t"}))
+    assert rows[0].overrides == {"temperature": 0.2}
+    assert rows[1].error.startswith("row 1: column 't' (override for temperature) has str value 'hot'")
+    assert rows[2].overrides == {"temperature": 1.0}
+    assert [row.carried["t"] for row in rows] == ["0.2", '"hot"', "1"]
+
+
+def test_limit_takes_the_first_rows(inputs):
+    spec = make_spec(inputs["parquet"])
+    table = open_table(spec)
+    assert [row.prompt for row in iter_rows(table, spec, limit=2)] == [r["prompt"] for r in ROWS[:2]]
+    assert list(iter_rows(table, spec, limit=0)) == []
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        list(iter_rows(table, spec, limit=-1))
