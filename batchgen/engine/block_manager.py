@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from batchgen.engine.block_hash import ROOT_HASH, BlockHash, hash_block
 from batchgen.engine.sequence import Sequence
@@ -39,12 +39,10 @@ class PrefixMatch:
 
     `block_ids`: computed cached blocks it can reuse, in order. `is_blocked`: the next block it
     needs is being computed by another sequence right now, so it should wait.
-    `hashes`: the chained hashes of its full blocks (reused by `allocate`).
     """
 
     block_ids: list[int]
     is_blocked: bool
-    hashes: list[BlockHash] = field(default_factory=list)
 
 
 class BlockManager:
@@ -84,19 +82,17 @@ class BlockManager:
     # ---- prefix lookup ----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Computed cached blocks `seq` can reuse (at most `(len(seq) - 1) // block_size`)."""
-        max_blocks = (len(seq) - 1) // self.block_size
-        hashes = self._hashes(seq, max_blocks)
         if not self.enable_prefix_caching:
-            return PrefixMatch([], False, hashes)
+            return PrefixMatch([], False)
         block_ids: list[int] = []
-        for index, block_hash in enumerate(hashes[:max_blocks]):
+        for index, block_hash in enumerate(self._hashes(seq, (len(seq) - 1) // self.block_size)):
             block = self._lookup(block_hash, self._block_tokens(seq, index))
             if block is None:
                 break
             if not block.is_computed:
-                return PrefixMatch(block_ids, True, hashes)
+                return PrefixMatch(block_ids, True)
             block_ids.append(block.block_id)
-        return PrefixMatch(block_ids, False, hashes)
+        return PrefixMatch(block_ids, False)
 
     def _lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block | None:
         block_id = self._hash_to_block.get(block_hash)
@@ -115,7 +111,7 @@ class BlockManager:
         while len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(hash_block(parent, list(self._block_tokens(seq, len(hashes)))))
-        return hashes
+        return hashes[:num_blocks]
 
     # ---- allocation protocol: can_allocate / allocate / can_append / append / free -----------
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -126,25 +122,27 @@ class BlockManager:
         return num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, match: PrefixMatch, num_tokens: int) -> None:
-        """Give a waiting `seq` the matched cached blocks plus fresh ones up to `num_tokens` tokens.
-
-        Fresh blocks that will hold full prompt blocks are registered as pending, so sequences
-        sharing them wait for this one instead of computing them again.
-        """
+        """Give a waiting `seq` the matched cached blocks plus fresh ones up to `num_tokens` tokens."""
         assert not seq.block_table
         for block_id in match.block_ids:
             self._reference(block_id)
         seq.block_table = list(match.block_ids)
         seq.num_computed_tokens = len(match.block_ids) * self.block_size
         self.append(seq, num_tokens)
-        if self.enable_prefix_caching:
-            for index in range(len(match.block_ids), min(len(seq.block_table), len(match.hashes))):
-                self._register(seq.block_table[index], match.hashes[index], self._block_tokens(seq, index))
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow `seq`'s block table with fresh blocks to cover `num_tokens` tokens."""
+        """Grow `seq`'s block table with fresh blocks to cover `num_tokens` tokens.
+
+        Fresh blocks that will hold full blocks of `seq`'s current tokens (within the reuse cap)
+        are registered as pending, so sequences sharing them wait instead of computing them again.
+        """
+        start = len(seq.block_table)
         for _ in range(self.num_blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            hashes = self._hashes(seq, (len(seq) - 1) // self.block_size)
+            for index in range(start, min(len(seq.block_table), len(hashes))):
+                self._register(seq.block_table[index], hashes[index], self._block_tokens(seq, index))
 
     def mark_computed(self, seq: Sequence) -> None:
         """Record that `seq.num_computed_tokens` tokens are written: full blocks become reusable."""

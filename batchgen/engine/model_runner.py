@@ -113,4 +113,4 @@ class ModelRunner:
             block_size=self.block_size,
         )
         return (torch.tensor(token_ids, device=device), positions.to(device), metadata,
-                torch.tensor(sample_index, device=device))
+                torch.tensor(sample_index, dtype=torch.long, device=device))

@@ -44,7 +44,9 @@ def check_messages(messages: list, column: str) -> list[dict]:
 
 def _check_message(message: Any, where: str) -> dict:
     if not isinstance(message, dict):
-        raise BadRowError(f"{where} has type {type(message).__name__}, expected an object with 'role' and 'content'")
+        raise BadRowError(
+            f"{where} has type {type(message).__name__}, expected an object with 'role' and 'content'"
+        )
     present = {key: value for key, value in message.items() if value is not None}
     role = present.get("role")
     if role is None:

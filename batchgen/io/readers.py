@@ -20,7 +20,14 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.io.prompts import OVERRIDE_FIELDS, BadRowError, apply_template, build_prompt, check_prompt, read_overrides
+from batchgen.io.prompts import (
+    OVERRIDE_FIELDS,
+    BadRowError,
+    apply_template,
+    build_prompt,
+    check_prompt,
+    read_overrides,
+)
 
 LINE_ERROR_COLUMN = "__batchgen_line_error__"
 JSON_COLUMNS_KEY = b"batchgen.json_columns"
@@ -106,7 +113,9 @@ def _read_hub(name: str, split: str) -> pa.Table:
     try:
         loaded = datasets.load_dataset(name, split=split)
     except Exception as error:
-        raise ValueError(f"cannot load dataset {name!r} (split {split!r}) from the Hugging Face hub: {error}") from error
+        raise ValueError(
+            f"cannot load dataset {name!r} (split {split!r}) from the Hugging Face hub: {error}"
+        ) from error
     return loaded.with_format("arrow")[:]
 
 
@@ -180,7 +189,8 @@ def check_columns(table: pa.Table, spec: Any, overrides: dict[str, str] | None =
     missing = [f"{column!r} ({role})" for column, role in needed if column not in available]
     if missing:
         raise ValueError(
-            f"input is missing column(s) {', '.join(missing)}; available columns: {', '.join(available) or '(none)'}"
+            f"input is missing column(s) {', '.join(missing)}; "
+            f"available columns: {', '.join(available) or '(none)'}"
         )
 
 

@@ -214,7 +214,8 @@ class ShardWriter:
         numbers = [int(shard["file"][len("shard-") : -len(".parquet")]) for shard in self._shards]
         name = _shard_name(max(numbers, default=-1) + 1)
         _atomic_write(self.shard_dir / name, SHARD_TEMP_PREFIX, lambda file: pq.write_table(table, file))
-        self._shards.append({"file": name, "num_rows": table.num_rows, "num_requests": len(self._buffered_indices)})
+        num_requests = len(self._buffered_indices)
+        self._shards.append({"file": name, "num_rows": table.num_rows, "num_requests": num_requests})
         self._write_manifest()
         self._committed |= self._buffered_indices
         self._buffer, self._buffered_indices = [], set()

@@ -81,11 +81,14 @@ def test_single_token_context_returns_its_value():
     assert torch.equal(out[0], value.repeat_interleave(3, dim=0))
 
 
-def test_runs_single_threaded(monkeypatch):
-    q, k_cache, v_cache, block_tables, context_lens = make_inputs([40, 200], 9, 3, 64, torch.float32, seed=2)
-    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_thread_counts_agree_with_reference(monkeypatch, num_threads):
+    """A batch big enough for the kernel's parallel path (>= 4096 token x kv-head pairs)."""
+    context_lens = torch.randint(1, 400, (24,), generator=torch.Generator().manual_seed(num_threads)).tolist()
+    q, k_cache, v_cache, block_tables, lens = make_inputs(context_lens, 9, 3, 64, torch.float32, seed=num_threads)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: num_threads)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
     assert (out.double() - expected).abs().max().item() < 1e-5
 
 

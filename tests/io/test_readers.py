@@ -61,7 +61,9 @@ def inputs(tmp_path) -> dict:
     }
 
 
-@pytest.mark.parametrize("name,expected", [("parquet", "parquet"), ("jsonl", "jsonl"), ("hf_disk", "hf_disk"), ("hf_dict", "hf_disk")])
+@pytest.mark.parametrize(
+    "name,expected", [("parquet", "parquet"), ("jsonl", "jsonl"), ("hf_disk", "hf_disk"), ("hf_dict", "hf_disk")]
+)
 def test_detect_format(inputs, name, expected):
     assert detect_format(inputs[name]) == expected
 
@@ -100,11 +102,21 @@ def test_explicit_format_and_missing_input(inputs, tmp_path):
         open_table(make_spec(tmp_path / "nope.parquet"))
 
 
-def test_hub_failure_is_a_clean_error(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(ValueError, match="cannot load dataset 'no-such-org/no-such-set'"):
-        open_table(make_spec(format="hf_hub", dataset="no-such-org/no-such-set"))
+def test_hub_loads_the_split_and_fails_cleanly(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        if name == "offline/set":
+            raise ConnectionError("hub unreachable")
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    table = open_table(make_spec(format="hf_hub", dataset="org/set", split="test"))
+    assert table.column("prompt").to_pylist() == [r["prompt"] for r in ROWS]
+    with pytest.raises(ValueError, match="cannot load dataset 'offline/set' .* hub unreachable"):
+        open_table(make_spec(format="hf_hub", dataset="offline/set"))
+    assert calls == [("org/set", "test"), ("offline/set", "train")]
 
 
 def test_id_defaults_to_row_number_and_null_id_falls_back():
@@ -210,13 +222,18 @@ def test_prompt_template_errors_are_bad_rows():
 
 
 def test_system_prompt_and_chat_template_shaping():
-    records = [{"prompt": "hi"}, {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "yo"}]}]
-    chat = rows_of(records, apply_chat_template=True, system_prompt="sys")
-    assert chat[0].prompt == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
-    assert chat[1].prompt[0] == {"role": "system", "content": "own"} and len(chat[1].prompt) == 2
-    plain = rows_of(records, apply_chat_template=False, system_prompt="sys")
-    assert plain[0].prompt == "sys\n\nhi"
-    assert plain[1].error == "row 1: column 'prompt' holds chat messages, which need input.apply_chat_template: true"
+    text = [{"prompt": "hi"}]
+    chat = [{"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "yo"}]}]
+    [row] = rows_of(text, apply_chat_template=True, system_prompt="sys")
+    assert row.prompt == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    [row] = rows_of(chat, apply_chat_template=True, system_prompt="sys")
+    assert row.prompt == chat[0]["prompt"]
+    [row] = rows_of(chat, apply_chat_template=True)
+    assert row.prompt == chat[0]["prompt"]
+    [row] = rows_of(text, apply_chat_template=False, system_prompt="sys")
+    assert row.prompt == "sys\n\nhi"
+    [row] = rows_of(chat, apply_chat_template=False, system_prompt="sys")
+    assert row.error == "row 0: column 'prompt' holds chat messages, which need input.apply_chat_template: true"
 
 
 def test_overrides_are_typed_and_bad_types_are_bad_rows():

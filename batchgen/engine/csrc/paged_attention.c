@@ -32,6 +32,8 @@ enum {
 };
 
 #define CHUNK_TOKENS 64
+/* Below this many (token, kv head) pairs, waking more threads costs more than it saves. */
+#define MIN_PARALLEL_WORK 4096
 
 typedef struct {
     void *out;
@@ -251,7 +253,10 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale};
     int num_pairs = num_seqs * num_kv_heads, status = STATUS_OK;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_pairs > 1)
+    int64_t work = 0;
+    for (int seq = 0; seq < num_seqs; seq++) work += (int64_t)context_lens[seq] * num_kv_heads;
+    int is_parallel = num_threads > 1 && num_pairs > 1 && work >= MIN_PARALLEL_WORK;
+#pragma omp parallel num_threads(num_threads) if (is_parallel)
     {
         Scratch s = {0};
         float *base = alloc_scratch(&s, num_heads / num_kv_heads, head_dim);

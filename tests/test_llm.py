@@ -1,0 +1,194 @@
+"""LLM.generate end to end on tiny random models: exact against transformers, prefix sharing,
+preemption, sampling controls and bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from batchgen import LLM, SamplingParams
+from batchgen.engine.radix_tree import RadixTree
+from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, tiny_model, tiny_tokenizer
+
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head_dim 16, fp32
+
+
+@functools.lru_cache(maxsize=None)
+def model_and_oracle(family: str):
+    model = tiny_model(family)
+    workload = mixed_workload(TINY_VOCAB)
+    expected = [hf_greedy(model, prompt, max_tokens) for prompt, max_tokens in workload]
+    return model, workload, expected
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
+
+
+def run_workload(llm: LLM, workload):
+    prompts = [prompt for prompt, _ in workload]
+    return llm.generate(prompts, [greedy(max_tokens) for _, max_tokens in workload], use_tqdm=False)
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_equals_transformers_generate(family, backend):
+    model, workload, expected = model_and_oracle(family)
+    llm = LLM(model, tokenizer=tiny_tokenizer(), attention_backend=backend, max_num_batched_tokens=256)
+    outputs = run_workload(llm, workload)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert llm.engine.stats["num_cached_prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_small_pool_preempts_and_evicts_with_same_outputs(family):
+    model, workload, expected = model_and_oracle(family)
+    llm = LLM(model, tokenizer=tiny_tokenizer(), kv_cache_memory=40 * 16 * BYTES_PER_TOKEN,
+              max_num_batched_tokens=128)
+    assert llm.engine.block_manager.num_blocks == 40
+    outputs = run_workload(llm, workload)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_evictions > 0
+
+
+@pytest.mark.parametrize("budget", [2048, 48])
+def test_shared_prefix_is_computed_once(budget):
+    prefix = list(range(100, 260))  # 10 blocks
+    prompts = [prefix + [300 + i, 301, 302, 303, 304 + i] for i in range(16)]
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer(), max_num_batched_tokens=budget)
+    outputs = llm.generate(prompts, greedy(3), use_tqdm=False)
+    stats = llm.engine.stats
+    assert stats["num_computed_prompt_tokens"] == 160 + 16 * 5
+    assert stats["num_cached_prompt_tokens"] == 15 * 160
+    assert sorted(o.metrics.num_cached_tokens for o in outputs) == [0] + [160] * 15
+    tree = RadixTree(16)
+    for request_id, prompt in enumerate(prompts):
+        tree.insert(request_id, prompt)
+    assert tree.stats().num_tokens_to_prefill == stats["num_computed_prompt_tokens"]
+
+
+def test_plan_prediction_equals_engine_counters_on_mixed_workload():
+    model, workload, _ = model_and_oracle("llama")
+    llm = LLM(model, tokenizer=tiny_tokenizer())
+    run_workload(llm, workload)
+    tree = RadixTree(16)
+    for request_id, (prompt, _) in enumerate(workload):
+        tree.insert(request_id, prompt)
+    assert llm.engine.stats["num_computed_prompt_tokens"] == tree.stats().num_tokens_to_prefill
+
+
+@pytest.mark.parametrize("prompt_len", [40, 32])
+def test_n_samples_share_the_prompt(prompt_len):
+    prompt = list(range(3, 3 + prompt_len))
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    [output] = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.engine.stats["num_computed_prompt_tokens"] == prompt_len
+    assert [c.index for c in output.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in output.outputs}) == 4
+    assert all(len(c.token_ids) == 12 for c in output.outputs)
+    for index in (0, 2):
+        single = SamplingParams(max_tokens=12, temperature=1.0, seed=7 + index, ignore_eos=True)
+        assert llm.generate([prompt], single, use_tqdm=False)[0].token_ids == output.outputs[index].token_ids
+
+
+def test_seeded_sampling_is_independent_of_batch():
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    prompt = list(range(10, 50))
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    others = [list(range(60 + i, 90 + 3 * i)) for i in range(6)]
+    mixed = others[:3] + [prompt] + others[3:]
+    batch_params = [SamplingParams(max_tokens=30, temperature=1.0, seed=i, ignore_eos=True) for i in range(3)]
+    batch_params += [params] + [SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)] * 3
+    in_batch = llm.generate(mixed, batch_params, use_tqdm=False)[3].token_ids
+    assert alone == in_batch
+    other_seed = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=124, ignore_eos=True)
+    assert llm.generate([prompt], other_seed, use_tqdm=False)[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy():
+    model, workload, expected = model_and_oracle("llama")
+    llm = LLM(model, tokenizer=tiny_tokenizer())
+    prompts = [prompt for prompt, _ in workload[:10]]
+    params = [SamplingParams(max_tokens=m, temperature=1.3, top_k=1, ignore_eos=True) for _, m in workload[:10]]
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected[:10]
+
+
+def test_stop_strings_cut_text_before_the_stop():
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    prompt = list(range(20, 60))
+    full = llm.generate([prompt], greedy(24), use_tqdm=False)[0]
+    words = full.text.split()
+    stop = f"{words[6]} {words[7]}"
+    cut = full.text[: full.text.find(stop)]
+    stopped = llm.generate([prompt], greedy(24, stop=[stop, "never-there"]), use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == cut
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    assert len(stopped.token_ids) < 24
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens():
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    prompt = list(range(20, 60))
+    full = llm.generate([prompt], greedy(24), use_tqdm=False)[0].token_ids
+    stop_id = full[5]
+    first = full.index(stop_id)
+    out = llm.generate([prompt], greedy(24, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert (out.finish_reason, out.token_ids) == ("stop", full[: first + 1])
+    late = llm.generate([prompt], greedy(24, stop_token_ids=[stop_id], min_tokens=first + 2), use_tqdm=False)[0]
+    assert len(late.token_ids) > first + 1
+    assert late.token_ids[first + 1] != stop_id or late.finish_reason == "stop"
+    one = llm.generate([prompt], greedy(1), use_tqdm=False)[0]
+    assert (one.finish_reason, one.token_ids) == ("length", full[:1])
+
+
+def test_eos_stops_unless_ignored():
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    prompt = list(range(20, 60))
+    full = llm.generate([prompt], greedy(24), use_tqdm=False)[0].token_ids
+    llm.engine.stop_checker.eos_token_ids[:] = [full[3]]
+    llm.engine.stop_checker._eos = {full[3]}
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == full[: full.index(full[3]) + 1]
+    ignored = llm.generate([prompt], greedy(24), use_tqdm=False)[0]
+    assert ignored.token_ids == full
+
+
+def test_bad_inputs_become_error_outputs_and_the_rest_completes():
+    model, workload, expected = model_and_oracle("llama")
+    llm = LLM(model, tokenizer=tiny_tokenizer())
+    good = workload[0][0]
+    prompts = ["", [], list(range(2, 2 + 2048)), [5, TINY_VOCAB + 7], [5, -1], None, 3.5,
+               [{"role": "user"}], good]
+    outputs = llm.generate(prompts, greedy(workload[0][1]), use_tqdm=False)
+    assert [o.request_id for o in outputs] == list(range(len(prompts)))
+    errors = [o.error for o in outputs]
+    assert "empty prompt" in errors[0] and "empty prompt" in errors[1]
+    assert "2048 tokens" in errors[2] and "limit is 2047" in errors[2]
+    assert f"token id {TINY_VOCAB + 7}" in errors[3] and "vocabulary" in errors[3]
+    assert "prompt must be" in errors[4] or "token id -1" in errors[4]
+    assert "prompt must be" in errors[5] and "prompt must be" in errors[6]
+    assert "'content'" in errors[7]
+    assert all(o.finish_reason == "error" and o.outputs[0].error == o.error for o in outputs[:-1])
+    assert outputs[-1].error is None and outputs[-1].token_ids == expected[0]
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 0)])
+def test_invalid_sampling_params_raise_value_error(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_metrics_are_consistent():
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    outputs = llm.generate([list(range(5, 30)), list(range(5, 40))], greedy(8), use_tqdm=False)
+    for output in outputs:
+        m = output.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.num_output_tokens == 8 and len(m.inter_token_latencies) == 7
+        assert m.num_prompt_tokens == len(output.prompt_token_ids)
