@@ -19,107 +19,35 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import string
-import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
+from batchgen.config_values import (
+    Check,
+    byte_size,
+    column_names,
+    device_name,
+    format_template,
+    int_at_least,
+    non_empty_text,
+    one_of,
+    or_null,
+    template_columns,
+    true_or_false,
+)
+from batchgen.io.readers import detect_format
 from batchgen.sampling_params import SamplingParams
 
 FORMATS = ("auto", "parquet", "jsonl", "hf_disk", "hf_hub")
-SUFFIX_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl"}
-MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 COMMAND_LINE = 0  # the "line" of a value given on the command line
 
 
 class JobConfigError(ValueError):
     """A job that cannot run; the message names the file, line, key and what is allowed."""
-
-
-Check = Callable[[Any], Any]  # returns the (normalised) value or raises ValueError("expected ...")
-
-
-def _integer(min_value: int) -> Check:
-    def check(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < min_value:
-            raise ValueError(f"expected an integer >= {min_value}")
-        return value
-    return check
-
-
-def _choice(*choices: str) -> Check:
-    def check(value: Any) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"expected one of: {', '.join(choices)}")
-        return value
-    return check
-
-
-def _optional(check: Check) -> Check:
-    def optional(value: Any) -> Any:
-        if value is None:
-            return None
-        try:
-            return check(value)
-        except ValueError as error:
-            raise ValueError(f"{error}, or null") from None
-    return optional
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError("expected a non-empty string")
-    return value
-
-
-def _boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("expected true or false")
-    return value
-
-
-def _text_list(value: Any) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
-        raise ValueError("expected a list of column names")
-    return value
-
-
-def _device(value: Any) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-        raise ValueError("expected one of: auto, cpu, cuda, cuda:N")
-    return value
-
-
-def _memory(value: Any) -> int:
-    """Bytes as an int, or a size such as ``"2GiB"`` / ``"512MiB"``; returns bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
-    if match and match.group(2).lower() in MEMORY_UNITS and float(match.group(1)) > 0:
-        return int(float(match.group(1)) * MEMORY_UNITS[match.group(2).lower()])
-    raise ValueError('expected a number of bytes or a size such as "512MiB" or "2GiB"')
-
-
-def _template(value: Any) -> str:
-    """A ``str.format`` template whose fields are plain names (``{prompt}``, ``{column}``)."""
-    text = _text(value)
-    try:
-        names = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
-    except ValueError as error:
-        raise ValueError(f"expected a template such as 'Question: {{prompt}}' ({error})") from None
-    if not names or not all(name.isidentifier() for name in names):
-        raise ValueError("expected a template naming columns in braces, such as 'Question: {prompt}'")
-    return text
-
-
-def template_columns(template: str) -> list[str]:
-    """Column names a (checked) prompt template refers to, in order, without repeats."""
-    names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
-    return list(dict.fromkeys(names))
 
 
 def _key(default: Any, check: Check) -> Any:
@@ -133,29 +61,30 @@ def _key(default: Any, check: Check) -> Any:
 class EngineConfig:
     """Engine knobs, passed to ``LLM(...)`` as keyword arguments."""
 
-    dtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))
-    device: str = _key("auto", _device)
-    block_size: int = _key(16, _integer(1))
-    kv_cache_memory: int | None = _key(None, _optional(_memory))
-    max_num_seqs: int = _key(256, _integer(1))
-    max_num_batched_tokens: int = _key(2048, _integer(1))
-    enable_prefix_caching: bool = _key(True, _boolean)
+    dtype: str = _key("auto", one_of("auto", "float32", "bfloat16", "float16"))
+    device: str = _key("auto", device_name)
+    block_size: int = _key(16, int_at_least(1))
+    kv_cache_memory: int | None = _key(None, or_null(byte_size))
+    max_num_seqs: int = _key(256, int_at_least(1))
+    max_num_batched_tokens: int = _key(2048, int_at_least(1))
+    enable_prefix_caching: bool = _key(True, true_or_false)
+    attention_backend: str = _key("auto", one_of("auto", "native", "reference"))
 
 
 @dataclass
 class InputConfig:
     """Where the prompts come from and how a row becomes a prompt."""
 
-    path: Path | None = _key(None, _optional(_text))
-    format: str = _key("auto", _choice(*FORMATS))
-    dataset: str | None = _key(None, _optional(_text))
-    split: str = _key("train", _text)
-    prompt_column: str = _key("prompt", _text)
-    id_column: str | None = _key(None, _optional(_text))
-    system_prompt: str | None = _key(None, _optional(_text))
-    prompt_template: str | None = _key(None, _optional(_template))
-    apply_chat_template: bool = _key(True, _boolean)
-    carry_columns: list[str] = _key([], _text_list)
+    path: Path | None = _key(None, or_null(non_empty_text))
+    format: str = _key("auto", one_of(*FORMATS))
+    dataset: str | None = _key(None, or_null(non_empty_text))
+    split: str = _key("train", non_empty_text)
+    prompt_column: str = _key("prompt", non_empty_text)
+    id_column: str | None = _key(None, or_null(non_empty_text))
+    system_prompt: str | None = _key(None, or_null(non_empty_text))
+    prompt_template: str | None = _key(None, or_null(format_template))
+    apply_chat_template: bool = _key(True, true_or_false)
+    carry_columns: list[str] = _key([], column_names)
 
 
 @dataclass
@@ -170,9 +99,9 @@ class SamplingConfig:
 class OutputConfig:
     """Where answers go: a ``.parquet`` file (single file, input order) or a folder of shards."""
 
-    path: Path | None = _key(None, _optional(_text))
-    shard_size: int = _key(256, _integer(1))
-    mode: str = _key("resume", _choice("resume", "overwrite"))
+    path: Path | None = _key(None, or_null(non_empty_text))
+    shard_size: int = _key(256, int_at_least(1))
+    mode: str = _key("resume", one_of("resume", "overwrite"))
 
 
 @dataclass
@@ -246,7 +175,6 @@ def key_lines(job_path: Path, node: yaml.Node | None, prefix: str = "") -> dict[
     return lines
 
 
-SECTIONS = {"engine": EngineConfig, "input": InputConfig, "output": OutputConfig}
 TOP_KEYS = ("model", "engine", "input", "sampling", "output")
 
 
@@ -256,10 +184,10 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     job_path = Path(path)
     if not job_path.is_file():
         raise JobConfigError(f"{job_path}: job file not found")
-    text = job_path.read_text()
+    source = job_path.read_text()
     try:
-        lines = key_lines(job_path, yaml.compose(text))
-        raw = yaml.safe_load(text)
+        lines = key_lines(job_path, yaml.compose(source))
+        raw = yaml.safe_load(source)
     except yaml.YAMLError as error:
         raise JobConfigError(f"{job_path}: not valid YAML: {error}") from None
     if not isinstance(raw, dict):
@@ -291,7 +219,7 @@ def _apply_overrides(raw: dict, lines: dict[str, int], overrides: dict[str, Any]
         lines[key] = COMMAND_LINE
 
 
-def _refuse_unknown(locate: Callable, prefix: str, raw: dict, allowed: typing.Iterable[str]) -> None:
+def _refuse_unknown(locate: Callable, prefix: str, raw: dict, allowed: list[str]) -> None:
     allowed = list(allowed)
     for key in raw:
         if key not in allowed:
@@ -373,10 +301,10 @@ def _resolve_input(locate: Callable, config: InputConfig, job_dir: Path) -> None
     if not config.path.exists():
         raise locate("input.path", f"no such file or folder: {config.path}")
     if config.format == "auto":
-        config.format = "hf_disk" if config.path.is_dir() else SUFFIX_FORMATS.get(config.path.suffix, "")
-        if not config.format:
-            raise locate("input.path", f"cannot tell the format of {config.path.name}; "
-                         f"set input.format to one of: {', '.join(FORMATS[1:])}")
+        try:
+            config.format = detect_format(config.path)
+        except ValueError as error:
+            raise locate("input.path", f"{error} (one of: {', '.join(FORMATS[1:])})") from None
 
 
 def _resolve_output(locate: Callable, config: OutputConfig, job_dir: Path) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import resource
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,14 +25,24 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchgen import models
-from batchgen.config import JobConfig, JobConfigError
+from batchgen.config import JobConfig
 from batchgen.engine.llm_engine import error_output
 from batchgen.engine.radix_tree import RadixTree
-from batchgen.io import (InputRow, JobMismatchError, ShardWriter, carried_fields, file_digest, fingerprint_job,
-                         iter_rows, open_table, output_schema, version_metadata)
+from batchgen.io import (
+    InputRow,
+    ShardWriter,
+    carried_fields,
+    file_digest,
+    fingerprint_job,
+    iter_rows,
+    open_table,
+    output_schema,
+    version_metadata,
+)
 from batchgen.io.readers import input_columns
 from batchgen.llm import LLM
-from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchgen.output_rows import output_rows
+from batchgen.outputs import RequestOutput
 from batchgen.prompts import encode_prompt
 from batchgen.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
 from batchgen.sampling_params import SamplingParams
@@ -40,6 +51,7 @@ MAX_PREFIX_GROUPS = 5
 MAX_ORDER_IDS = 10
 MAX_BAD_ROW_ERRORS = 5
 MAX_GROUP_IDS = 5
+TOKEN_COUNTERS = ("num_prompt_tokens", "num_computed_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens")
 
 
 def open_input(config: JobConfig) -> tuple[pa.Table, pa.Schema]:
@@ -109,7 +121,8 @@ def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
             return AutoTokenizer.from_pretrained(name, local_files_only=True)
         except (OSError, ValueError) as error:
             if not models.is_hub_reachable():
-                raise models.ModelNotFoundError(f"model {name!r} not found locally and the hub is unreachable") from error
+                message = f"model {name!r} not found locally and the hub is unreachable"
+                raise models.ModelNotFoundError(message) from error
             return AutoTokenizer.from_pretrained(name)
 
 
@@ -169,9 +182,10 @@ def job_fingerprint(config: JobConfig) -> str:
 
 
 def open_writer(config: JobConfig, schema: pa.Schema) -> ShardWriter:
+    metadata = {**version_metadata(), "batchgen.model": config.model or models.DEFAULT_MODEL}
     try:
         return ShardWriter(config.output.path, job_fingerprint(config), config.output.shard_size, schema,
-                           config.output.mode, {**version_metadata(), "batchgen.model": str(config.model)})
+                           config.output.mode, metadata)
     except ValueError as error:
         raise config.error("output.path", str(error)) from None
 
@@ -186,27 +200,43 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
     todo = [row for row in rows if row.index not in committed]
     if not todo:
         writer.finish()
-        return JobSummary(str(config.job_path), str(config.output.path), True, len(rows), len(rows), 0, 0,
-                          count_failed(writer))
-    good, bad = split_rows(config, todo)
-    num_ok = num_failed = 0
+        return JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=True,
+                          num_input_rows=len(rows), num_skipped_rows=len(rows), num_rows_ok=0, num_rows_failed=0,
+                          num_failed_in_output=count_failed(writer))
+    counts = Counter(ok=0, failed=0)
+    try:
+        stats = generate(config, writer, todo, counts, use_tqdm)
+    except KeyboardInterrupt:
+        writer.flush()  # keep the finished rows: a rerun resumes after them
+        raise
+    writer.finish()
+    summary = JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=False,
+                         num_input_rows=len(rows), num_skipped_rows=len(rows) - len(todo),
+                         num_rows_ok=counts["ok"], num_rows_failed=counts["failed"],
+                         num_failed_in_output=count_failed(writer), **stats)
+    _add_measurements(summary, time.time() - start_time)
+    summary_path(config).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    return summary
+
+
+def generate(config: JobConfig, writer: ShardWriter, rows: list[InputRow], counts: Counter,
+             use_tqdm: bool) -> dict[str, int]:
+    """Write every row's outputs (bad rows first, then the engine's as they finish); returns token counters.
+
+    The model is loaded only when at least one row can reach it.
+    """
+    good, bad = split_rows(config, rows)
     for row in bad:
-        output = error_output(row.index, None, [], config.sampling.params.n, row.error, start_time)
-        num_ok, num_failed = _write(writer, config, row, output, num_ok, num_failed)
-    stats = dict.fromkeys(["num_prompt_tokens", "num_computed_prompt_tokens", "num_cached_prompt_tokens",
-                           "num_output_tokens"], 0)
+        output = error_output(row.index, None, [], config.sampling.params.n, row.error, time.time())
+        _write(writer, config, row, output, counts)
+    stats = dict.fromkeys(TOKEN_COUNTERS, 0)
     if good:
         llm = load_llm(config)
         prompts = [row.prompt for row, _ in good]
         for output in llm.iter_generate(prompts, [params for _, params in good], use_tqdm=use_tqdm):
-            num_ok, num_failed = _write(writer, config, good[output.request_id][0], output, num_ok, num_failed)
-        stats = {key: llm.engine.stats[key] for key in stats}
-    writer.finish()
-    summary = JobSummary(str(config.job_path), str(config.output.path), False, len(rows), len(rows) - len(todo),
-                         num_ok, num_failed, count_failed(writer), **stats)
-    _add_measurements(summary, time.time() - start_time)
-    summary_path(config).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-    return summary
+            _write(writer, config, good[output.request_id][0], output, counts)
+        stats = {key: llm.engine.stats[key] for key in TOKEN_COUNTERS}
+    return stats
 
 
 def load_llm(config: JobConfig) -> LLM:
@@ -217,72 +247,12 @@ def load_llm(config: JobConfig) -> LLM:
         raise config.error("model", str(error)) from None
 
 
-def _write(writer: ShardWriter, config: JobConfig, row: InputRow, output: RequestOutput,
-           num_ok: int, num_failed: int) -> tuple[int, int]:
-    """Buffer the output rows of one input row; returns the updated (ok, failed) counts."""
+def _write(writer: ShardWriter, config: JobConfig, row: InputRow, output: RequestOutput, counts: Counter) -> None:
+    """Buffer the output rows of one input row and count them as ok or failed."""
     out_rows = output_rows(row, output, has_sample_index(config))
     writer.add_rows(out_rows)
-    num_errors = sum(out_row["finish_reason"] == "error" for out_row in out_rows)
-    return num_ok + len(out_rows) - num_errors, num_failed + num_errors
-
-
-def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool) -> list[dict]:
-    """One output row per sample, in the writer's columns."""
-    rows = []
-    for completion in output.outputs:
-        values = {"row_index": row.index, "id": row.id, **row.carried, **completion_columns(completion, output)}
-        if with_sample_index:
-            values["sample_index"] = completion.index
-        rows.append(values)
-    return rows
-
-
-def completion_columns(completion: CompletionOutput, output: RequestOutput) -> dict:
-    metrics = completion.metrics
-    is_error = completion.finish_reason == "error"
-    return {
-        "output_text": None if is_error else completion.text,
-        "finish_reason": completion.finish_reason,
-        "error": (completion.error or output.error) if is_error else None,
-        "num_prompt_tokens": metrics.num_prompt_tokens or len(output.prompt_token_ids),
-        "num_cached_tokens": metrics.num_cached_tokens,
-        "num_output_tokens": metrics.num_output_tokens,
-        **timing_columns(metrics),
-    }
-
-
-def timing_columns(metrics: RequestMetrics) -> dict[str, float | None]:
-    """Latencies in seconds from the absolute stamps; None where a stamp is missing."""
-    def since_arrival(stamp: float | None) -> float | None:
-        return None if stamp is None else stamp - metrics.arrival_time
-
-    latencies = metrics.inter_token_latencies
-    tpot = None
-    if metrics.num_output_tokens > 1 and metrics.finished_time is not None and metrics.first_token_time is not None:
-        tpot = (metrics.finished_time - metrics.first_token_time) / (metrics.num_output_tokens - 1)
-    return {
-        "queue_s": since_arrival(metrics.first_scheduled_time),
-        "ttft_s": since_arrival(metrics.first_token_time),
-        "tpot_s": tpot,
-        "itl_p50_s": percentile(latencies, 50),
-        "itl_p99_s": percentile(latencies, 99),
-        "itl_max_s": max(latencies, default=None),
-        "e2e_s": since_arrival(metrics.finished_time),
-        "arrival_time": metrics.arrival_time,
-        "first_token_time": metrics.first_token_time,
-        "finished_time": metrics.finished_time,
-    }
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated ``q``-th percentile (numpy's default method); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    for out_row in out_rows:
+        counts["failed" if out_row["finish_reason"] == "error" else "ok"] += 1
 
 
 def count_failed(writer: ShardWriter) -> int:

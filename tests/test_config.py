@@ -5,11 +5,14 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import datasets
 import pytest
 
 from batchgen.config import JobConfigError, load_job, template_columns
 from batchgen.sampling_params import SamplingParams
 
+PROMPT = "  prompt_column: question"
+OUTPUT = "  path: out/answers.parquet"
 GOOD_JOB = """\
 model: null
 engine:
@@ -44,7 +47,7 @@ def load_error(job_dir: Path, text: str, overrides: dict | None = None) -> str:
     return str(info.value)
 
 
-def test_good_job_loads_with_defaults_and_paths_relative_to_the_job_file(job_dir, tmp_path_factory, monkeypatch):
+def test_good_job_loads_with_defaults_and_relative_paths(job_dir, tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
     config = load_job(write_job(job_dir, GOOD_JOB))
     assert config.model is None
@@ -88,7 +91,7 @@ def test_duplicate_key_is_refused(job_dir):
         (3, "engine.block_size", "0", "expected an integer >= 1, got 0"),
         (3, "engine.dtype", "float64", "expected one of: auto, float32, bfloat16, float16, got 'float64'"),
         (3, "engine.device", "tpu", "expected one of: auto, cpu, cuda, cuda:N, got 'tpu'"),
-        (3, "engine.kv_cache_memory", "lots", 'expected a number of bytes or a size such as "512MiB" or "2GiB", or null'),
+        (3, "engine.kv_cache_memory", "lots", 'expected a number of bytes or a size such as "512MiB"'),
         (3, "engine.enable_prefix_caching", "yes please", "expected true or false, got 'yes please'"),
     ],
 )
@@ -108,16 +111,16 @@ def test_kv_cache_memory_sizes_become_bytes(job_dir):
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ("  prompt_column: question", "  carry_columns: id", ":6: input.carry_columns: expected a list of column names"),
-        ("  prompt_column: question", "  prompt_column: 3", ":6: input.prompt_column: expected a non-empty string, got 3"),
-        ("  prompt_column: question", "  format: csv", ":6: input.format: expected one of: auto, parquet, jsonl, hf_disk, hf_hub"),
-        ("  prompt_column: question", "  apply_chat_template: 1", ":6: input.apply_chat_template: expected true or false"),
-        ("  prompt_column: question", "  prompt_template: 'Q: {'", ":6: input.prompt_template: expected a template"),
-        ("  prompt_column: question", "  prompt_template: 'Q: {}'", ":6: input.prompt_template: expected a template naming columns"),
-        ("  prompt_column: question", "  prompt_template: 'Q: {0.x}'", ":6: input.prompt_template: expected a template naming columns"),
-        ("  path: out/answers.parquet", "  path: out\n  mode: append", ":12: output.mode: expected one of: resume, overwrite, got 'append'"),
-        ("  path: out/answers.parquet", "  path: out\n  shard_size: -1", ":12: output.shard_size: expected an integer >= 1, got -1"),
-        ("model: null", "model: 7", ":1: model: expected null, a local model folder, a .gguf file or a hub id, got 7"),
+        (PROMPT, "  carry_columns: id", ":6: input.carry_columns: expected a list of column names"),
+        (PROMPT, "  prompt_column: 3", ":6: input.prompt_column: expected a non-empty string, got 3"),
+        (PROMPT, "  format: csv", ":6: input.format: expected one of: auto, parquet, jsonl, hf_disk, hf_hub"),
+        (PROMPT, "  apply_chat_template: 1", ":6: input.apply_chat_template: expected true or false"),
+        (PROMPT, "  prompt_template: 'Q: {'", ":6: input.prompt_template: expected a template"),
+        (PROMPT, "  prompt_template: 'Q: {}'", ":6: input.prompt_template: expected a template naming columns"),
+        (PROMPT, "  prompt_template: 'Q: {0.x}'", ":6: input.prompt_template: expected a template naming columns"),
+        (OUTPUT, "  path: out\n  mode: append", ":12: output.mode: expected one of: resume, overwrite, got 'append'"),
+        (OUTPUT, "  path: out\n  shard_size: -1", ":12: output.shard_size: expected an integer >= 1, got -1"),
+        ("model: null", "model: 7", ":1: model: expected null, a local model folder, a .gguf file or a hub id"),
         ("engine:\n  block_size: 8", "engine: fast", ":2: engine: expected a mapping of keys, got 'fast'"),
     ],
 )
@@ -131,7 +134,7 @@ def test_wrong_types_and_bad_enums(job_dir, old, new, expected):
         ("  temperature: -1", ":9: sampling.temperature: temperature must be >= 0, got -1.0"),
         ("  temperature: hot", ":9: sampling.temperature: temperature must be a number >= 0, got 'hot' (str)"),
         ("  temperature: 0\n  top_p: 0", ":10: sampling.top_p: top_p must be in (0, 1], got 0.0"),
-        ("  temperature: 0\n  min_tokens: 20", ":10: sampling.min_tokens: min_tokens must be in [0, max_tokens=12], got 20"),
+        ("  temperature: 0\n  min_tokens: 20", ":10: sampling.min_tokens: min_tokens must be in [0, max_tokens=12]"),
         ("  temperature: 0\n  stop: ['']", ":10: sampling.stop: stop strings must be non-empty"),
         ("  temperature: 0\n  n: 1.5", ":10: sampling.n: n must be an int >= 1, got 1.5 (float)"),
     ],
@@ -153,18 +156,21 @@ def test_sampling_overrides_name_fields_and_columns(job_dir):
 
 def test_missing_input_file_is_refused(job_dir):
     message = load_error(job_dir, GOOD_JOB.replace("data/prompts.jsonl", "data/nope.parquet"))
-    assert message == f"{job_dir / 'job.yaml'}:5: input.path: no such file or folder: {job_dir / 'data' / 'nope.parquet'}"
+    missing = job_dir / "data" / "nope.parquet"
+    assert message == f"{job_dir / 'job.yaml'}:5: input.path: no such file or folder: {missing}"
 
 
 def test_unknown_input_suffix_asks_for_a_format(job_dir):
     (job_dir / "data" / "prompts.csv").write_text("question\nWhy?\n")
     message = load_error(job_dir, GOOD_JOB.replace("prompts.jsonl", "prompts.csv"))
-    assert ":5: input.path: cannot tell the format of prompts.csv; set input.format to one of: parquet, jsonl" in message
+    assert ":5: input.path: cannot tell the format of input" in message
+    assert "set input.format (one of: parquet, jsonl, hf_disk, hf_hub)" in message
 
 
 def test_folder_input_is_a_saved_hf_dataset(job_dir):
-    config = load_job(write_job(job_dir, GOOD_JOB.replace("data/prompts.jsonl", "data")))
-    assert config.input.format == "hf_disk" and config.input.path == job_dir / "data"
+    datasets.Dataset.from_dict({"question": ["Why?"]}).save_to_disk(str(job_dir / "saved"))
+    config = load_job(write_job(job_dir, GOOD_JOB.replace("data/prompts.jsonl", "saved")))
+    assert config.input.format == "hf_disk" and config.input.path == job_dir / "saved"
 
 
 def test_hf_hub_needs_a_dataset_name_and_no_path(job_dir):
@@ -178,7 +184,8 @@ def test_hf_hub_needs_a_dataset_name_and_no_path(job_dir):
 
 def test_missing_paths_are_required(job_dir):
     no_output = GOOD_JOB.replace("output:\n  path: out/answers.parquet\n", "")
-    assert load_error(job_dir, no_output).endswith("job.yaml: output.path: required: a .parquet file or a folder for the shards")
+    message = load_error(job_dir, no_output)
+    assert message.endswith("job.yaml: output.path: required: a .parquet file or a folder for the shards")
     no_input = GOOD_JOB.replace("  path: data/prompts.jsonl\n", "")
     assert ":4: input.path: required" in load_error(job_dir, no_input)
 

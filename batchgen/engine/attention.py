@@ -218,4 +218,9 @@ def _decode_function(device: torch.device):
 
         if cpu_attention.is_available():
             return cpu_attention.paged_decode_attention
+    if device.type == "cuda":
+        from batchgen.engine import cuda_attention
+
+        if cuda_attention.is_available():
+            return cuda_attention.paged_decode_attention
     return gather_decode

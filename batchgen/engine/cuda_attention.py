@@ -1,0 +1,259 @@
+"""CUDA paged-attention decode: a Triton kernel that reads the paged KV cache in place.
+
+Same contract as ``cpu_attention.paged_decode_attention``: one query token per sequence
+attends over its K/V, found through its block table, with no per-step gather.
+
+Work split. One program handles one (sequence, kv head, split): it loads each [BLOCK_N,
+head_dim] K and V tile once (BLOCK_N tokens spanning several cache blocks, each token row a
+contiguous, coalesced ``head_dim`` run) and uses it for every query head of the GQA group,
+so K/V bytes are read once per kv head, not once per query head. The group's query rows are
+padded to BLOCK_H >= 16 so that both products (Q·Kᵀ and P·V) are `tl.dot`s; the padded rows
+cost arithmetic only, which a memory-bound kernel has to spare. Tiles are widened to float32
+in registers and the products use tf32 tensor cores for bfloat16/float16 caches (tf32 holds
+every bfloat16 and float16 value exactly, so Q·Kᵀ is as exact as a native half-precision
+product, and P keeps 10 mantissa bits instead of 8) and IEEE float32 for float32 caches.
+Widening also keeps one code path that Triton's CPU interpreter runs correctly: it cannot
+multiply bfloat16 operands in `tl.dot`. Scores, the running max and sum and the output
+accumulator are float32 (online softmax in base 2).
+
+Split-K (flash-decoding). When sequences × kv heads alone would leave SMs idle (small batch,
+long context), each sequence's context is cut into ``num_splits`` contiguous token ranges;
+every split writes its normalised partial output and log-sum-exp, and a second kernel merges
+them per (sequence, head). The split count is derived from the block table's width, a host
+value, so a call never waits on the GPU (and stays CUDA-graph friendly).
+
+Expected bound. Decode attention is memory-bound: time >= bytes of K/V read / bandwidth, with
+bytes = sum(context_lens) × num_kv_heads × head_dim × 2 (K and V) × element size. On an H200
+(about 4.3 TB/s measured copy bandwidth): batch 32 × context 1024 with 3 kv heads of dim 64 in
+bf16 reads 25.2 MB, about 5.9 µs per layer; batch 256 × 4096 reads 805 MB, about 187 µs.
+Partial results add S × H × num_splits × (head_dim + 1) × 4 bytes, written and read once.
+
+Invariants:
+- Triton is imported here, and this module is imported only when a CUDA device asks for its
+  decode path, so CPU users without Triton never import it; ``is_available()`` never raises.
+- Every element of the output is written; context lengths are >= 1 (each sequence's own new
+  token is already in the cache), so split 0 of every sequence is non-empty.
+- Offsets into the cache are 64-bit: pools larger than 2**31 elements are addressed correctly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+LOG2_E = 1.4426950408889634
+MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_available() -> bool:
+    """True when Triton imports and the current CUDA device is sm_80 or newer (tf32 dots)."""
+    return triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def launch_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_D, BLOCK_N tokens per iteration, num_warps, num_stages) for a head dim.
+
+    A [BLOCK_N, BLOCK_D] tile of K and one of V are in flight per pipeline stage (cp.async
+    copies; the page-index loads are pipelined with them). The table keeps each program under
+    ~90 registers per thread on sm_90 (so 5+ programs fit an SM) with 8-32 KiB per stage.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if block_d <= 64:
+        return block_d, 64, 4, 3
+    if block_d <= 128:
+        return block_d, 64, 8, 3
+    return block_d, 32, 8, 2
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        scale_log2, tokens_per_split, num_splits,
+        stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
+        stride_table_seq, stride_out_seq, stride_out_head,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Online softmax of one kv head's query group over one token range of one sequence."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context_len = tl.load(context_lens_ptr + seq)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, context_len)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kv_head * GROUP + offs_h
+        head_mask = offs_h < GROUP
+        dim_mask = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
+        row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+        for tile_start in range(start, end, BLOCK_N):
+            positions = tile_start + offs_n
+            is_valid = positions < end
+            blocks = tl.load(table + positions // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
+            rows = blocks * stride_k_block + (positions % BLOCK_SIZE) * stride_k_token + kv_head * stride_k_head
+            tile_mask = is_valid[:, None] & dim_mask[None, :]
+            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.where(is_valid[None, :], scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            correction = tl.exp2(row_max - new_max)
+            p = tl.exp2(scores - new_max[:, None])
+            row_sum = row_sum * correction + tl.sum(p, 1)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+            acc = acc * correction[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            row_max = new_max
+        denominator = tl.maximum(row_sum, 1.0)  # row_sum >= 1 (the max term is 1) unless the split is empty
+        result = acc / denominator[:, None]
+        store_mask = head_mask[:, None] & dim_mask[None, :]
+        if IS_SPLIT:
+            part_rows = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+            tl.store(part_out_ptr + part_rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=store_mask)
+            tl.store(part_lse_ptr + part_rows, row_max + tl.log2(denominator), mask=head_mask)
+        else:
+            out_rows = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head
+            tl.store(out_rows + offs_d[None, :], result.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_out_seq, stride_out_head,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    ):
+        """Weight each split's partial output by its share of the total softmax mass."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_SPLITS)
+        offs_d = tl.arange(0, BLOCK_D)
+        split_mask = offs_s < num_splits
+        first_row = (seq * tl.num_programs(1) + head) * num_splits
+        lse = tl.load(part_lse_ptr + first_row + offs_s, mask=split_mask, other=float("-inf"))
+        weights = tl.exp2(lse - tl.max(lse, 0))
+        parts = tl.load(part_out_ptr + (first_row + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                        mask=split_mask[:, None], other=0.0)
+        merged = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)
+        out_row = out_ptr + seq * stride_out_seq + head * stride_out_head
+        tl.store(out_row + offs_d, merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs on the CPU)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
+    """Splits per sequence: enough programs for every SM, each split at least a few tiles long."""
+    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / (num_seqs * num_kv_heads))
+    longest = math.ceil(max_context / max(MIN_TOKENS_PER_SPLIT, block_n))
+    return max(1, min(wanted, longest, MAX_SPLITS))
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
+    """Cheap shape/dtype/layout checks; raise ValueError naming the problem."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q must be 3-D and k_cache/v_cache 4-D of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"q, k_cache, v_cache must share a float32/bfloat16/float16 dtype, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    num_seqs, num_heads, head_dim = q.shape
+    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2] != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)} "
+                         "(head_dim must match and num_heads be a multiple of num_kv_heads)")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if context_lens.dtype != torch.int32 or context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and context_lens.is_contiguous()):
+        raise ValueError("k_cache, v_cache and context_lens must be contiguous")
+    if q.stride(2) != 1 or out.stride(2) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("q, out and block_tables must have unit stride in their last dimension")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens, out)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged K/V.
+
+    ``q``: [num_seqs, num_heads, head_dim] (any row strides, unit last stride), the token at
+    position ``context_lens[s] - 1`` whose own K/V are already in the cache;
+    ``k_cache``/``v_cache``: [num_blocks, block_size, num_kv_heads, head_dim], contiguous;
+    ``block_tables``: [num_seqs, max_blocks] int32; ``context_lens``: [num_seqs] int32, each in
+    [1, max_blocks * block_size]. Query head ``h`` reads kv head ``h // (num_heads //
+    num_kv_heads)``. Returns [num_seqs, num_heads, head_dim] in ``q``'s dtype: ``out`` when
+    given, else a new tensor. ``num_splits`` overrides the split-K choice (tests use it).
+    """
+    if triton is None:
+        raise RuntimeError("the CUDA paged-attention kernel needs Triton, which is not installed")
+    if out is None:
+        out = torch.empty_like(q)
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d, block_n, num_warps, num_stages = launch_config(head_dim)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, block_n, _num_sms(q.device))
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, tokens_per_split)  # no split left without a token
+    part_out = part_lse = out
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * LOG2_E, tokens_per_split, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_SPLIT=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=1,
+        )
+    return out

@@ -1,0 +1,286 @@
+"""Benchmark: batchgen against transformers on the same prompts, model and dtype, in one process.
+
+    python scripts/bench.py                                   # CPU sizes, every workload and system
+    python scripts/bench.py --device cuda --dtype bfloat16 --size gpu --model random-smollm2
+    python scripts/bench.py --workloads shared-system,few-shot --skip-slow-baselines --repeats 1
+
+Every system first runs a short warm-up, then the repetitions run interleaved across systems
+(rep 1 of every system, then rep 2, ...); walls are reported as median and minimum. Before any
+speed is trusted, each deterministic system's tokens are compared with batchgen's (greedy, any
+dtype; equal tokens are expected in float32): a mismatch is flagged in the table. The n-samples
+workload samples, so there only batchgen with and without caching (same seeds) are compared.
+
+Peak memory is the largest increase of this process's RSS over its value at the start of a run,
+sampled every few milliseconds (the model weights loaded before are not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_models import load_bench_model, lowest_plain_token_id  # noqa: E402
+from bench_systems import SYSTEM_NAMES, make_systems  # noqa: E402
+from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
+
+BLOCK_SIZE = 16
+MAX_BATCH_TOKENS = 2048  # batchgen's default max_num_batched_tokens, also given to transformers' batching
+KV_CACHE_BYTES = {"cpu": 2 * 2**30, "gpu": 32 * 2**30, "tiny": 64 * 2**20}  # per size; the pool of each system
+WARMUP_REQUESTS, WARMUP_TOKENS = 2, 4
+SLOW_BASELINES = ("hf-generate-b1",)
+
+
+class PeakRSS:
+    """Context manager: the largest RSS increase (bytes) over the value at entry, sampled in a thread."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.process = psutil.Process()
+        self.peak_increase = 0
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.process.memory_info().rss
+        self.peak = self.base
+        self.is_running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.is_running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.interval_s)
+
+    def __exit__(self, *exc) -> None:
+        self.is_running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+        self.peak_increase = self.peak - self.base
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (nearest rank), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def run_once(system, workload: Workload, device: torch.device) -> dict:
+    """One timed run: the RunResult's fields plus peak memory, or the error that stopped it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with PeakRSS() as rss:
+            result = system.run(workload)
+    except Exception as error:  # a baseline that cannot run is reported, not fatal
+        return {"error": f"{type(error).__name__}: {error}"[:300]}
+    run = {"result": result, "peak_rss_increase": rss.peak_increase}
+    if device.type == "cuda":
+        run["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device)
+    return run
+
+
+def compare_tokens(result, reference) -> dict:
+    """How many requests' samples equal the reference's, and the shortest common prefix."""
+    num_mismatched, min_common = 0, None
+    for mine, theirs in zip(result.token_ids, reference.token_ids):
+        for a, b in zip(mine, theirs):
+            if a != b:
+                num_mismatched += 1
+                common = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                min_common = common if min_common is None else min(min_common, common)
+    return {"num_mismatched": num_mismatched, "num_compared": sum(len(s) for s in reference.token_ids),
+            "min_common_prefix": min_common}
+
+
+def reference_name(names: list[str]) -> str | None:
+    """The system every other one is checked against: batchgen, else its no-cache twin."""
+    return next((n for n in ("batchgen", "batchgen-nocache") if n in names), None)
+
+
+def is_comparable(workload: Workload, name: str) -> bool:
+    """Sampled outputs are comparable only between batchgen systems (same seeds, same sampler)."""
+    return workload.is_greedy or name.startswith("batchgen")
+
+
+def summarize(name: str, workload: Workload, runs: list[dict], plan) -> dict:
+    """The metrics row of one system on one workload (from its successful runs)."""
+    row = {"system": name, "workload": workload.name}
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        return row | {"error": errors[0]}
+    results = [r["result"] for r in runs]
+    walls = [r.wall_s for r in results]
+    median = statistics.median(walls)
+    first = results[0]
+    row |= {
+        "wall_s": walls, "wall_median_s": median, "wall_min_s": min(walls),
+        "output_tok_s": workload.num_output_tokens / median,
+        "total_tok_s": (workload.num_output_tokens + workload.num_prompt_tokens) / median,
+        "num_prompt_tokens": workload.num_prompt_tokens, "num_output_tokens": workload.num_output_tokens,
+        "num_computed_prompt_tokens": first.num_computed_prompt_tokens,
+        "plan_tokens_to_prefill": plan.num_tokens_to_prefill, "ideal_hit_rate": plan.ideal_hit_rate,
+        "hit_rate": None if first.num_cached_prompt_tokens is None
+        else first.num_cached_prompt_tokens / workload.num_prompt_tokens,
+        "peak_rss_increase_bytes": max(r["peak_rss_increase"] for r in runs),
+        "ttft_p50_s": percentile(first.ttft_s, 50), "ttft_p99_s": percentile(first.ttft_s, 99),
+        "tpot_p50_s": percentile(first.tpot_s, 50), "tpot_p99_s": percentile(first.tpot_s, 99),
+    }
+    if "peak_cuda_bytes" in runs[0]:
+        row["peak_cuda_bytes"] = max(r["peak_cuda_bytes"] for r in runs)
+    return row
+
+
+def bench_workload(workload: Workload, systems: list, repeats: int, device: torch.device) -> list[dict]:
+    """Warm up every system, run the interleaved repetitions, check tokens, return one row per system."""
+    plan = plan_stats(workload, BLOCK_SIZE)
+    warmup = workload.head(WARMUP_REQUESTS, WARMUP_TOKENS)
+    for system in systems:
+        run_once(system, warmup, device)
+    runs: dict[str, list[dict]] = {s.name: [] for s in systems}
+    for rep in range(repeats):
+        for system in systems:
+            run = run_once(system, workload, device)
+            runs[system.name].append(run)
+            outcome = run["error"] if "error" in run else f"{run['result'].wall_s:.2f} s"
+            print(f"  {workload.name} rep {rep + 1}/{repeats} {system.name}: {outcome}", file=sys.stderr, flush=True)
+    rows = [summarize(name, workload, system_runs, plan) for name, system_runs in runs.items()]
+    reference = reference_name(list(runs))
+    ref_runs = runs.get(reference, [])
+    for row in rows:
+        if reference is None or "error" in row or "error" in ref_runs[0]:
+            continue
+        if is_comparable(workload, row["system"]):
+            row["tokens"] = compare_tokens(runs[row["system"]][0]["result"], ref_runs[0]["result"])
+        else:
+            row["tokens"] = "not compared (sampled)"
+    return rows
+
+
+def fmt(value, spec: str = ".2f", scale: float = 1.0) -> str:
+    if value is None:
+        return "n/a"
+    return format(value * scale if scale != 1.0 else value, spec)
+
+
+def tokens_cell(row: dict) -> str:
+    check = row.get("tokens")
+    if check is None or isinstance(check, str):
+        return check or "n/a"
+    if check["num_mismatched"] == 0:
+        return "same"
+    return (f"**MISMATCH {check['num_mismatched']}/{check['num_compared']}** "
+            f"(from token {check['min_common_prefix']})")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per system and workload."""
+    head = ("| workload | system | wall s (median / min) | out tok/s | total tok/s | prompt computed / total "
+            "| hit rate (ideal) | peak RSS +MiB | TTFT p50/p99 s | TPOT p50/p99 ms | tokens vs batchgen |")
+    lines = [head, "|" + "---|" * 11]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['workload']} | {row['system']} | failed: {row['error']} |" + " |" * 8)
+            continue
+        lines.append(
+            f"| {row['workload']} | {row['system']} | {row['wall_median_s']:.2f} / {row['wall_min_s']:.2f} "
+            f"| {row['output_tok_s']:.1f} | {row['total_tok_s']:.1f} "
+            f"| {fmt(row['num_computed_prompt_tokens'], 'd')} / {row['num_prompt_tokens']} "
+            f"| {fmt(row['hit_rate'], '.1%')} ({row['ideal_hit_rate']:.1%}) "
+            f"| {row['peak_rss_increase_bytes'] / 2**20:.0f} "
+            f"| {fmt(row['ttft_p50_s'])} / {fmt(row['ttft_p99_s'])} "
+            f"| {fmt(row['tpot_p50_s'], '.1f', 1e3)} / {fmt(row['tpot_p99_s'], '.1f', 1e3)} | {tokens_cell(row)} |")
+    return "\n".join(lines)
+
+
+def speed_ratios(rows: list[dict]) -> dict[str, dict]:
+    """Per workload: batchgen's output tok/s over the fastest transformers system's, and caching on/off."""
+    ratios = {}
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        ok = {r["system"]: r for r in rows if r["workload"] == workload and "error" not in r}
+        hf = [r for name, r in ok.items() if name.startswith("hf-")]
+        entry = {}
+        if "batchgen" in ok and hf:
+            best = max(hf, key=lambda r: r["output_tok_s"])
+            entry["best_hf"] = best["system"]
+            entry["vs_best_hf"] = ok["batchgen"]["output_tok_s"] / best["output_tok_s"]
+        if "batchgen" in ok and "batchgen-nocache" in ok:
+            entry["cache_on_vs_off"] = ok["batchgen"]["output_tok_s"] / ok["batchgen-nocache"]["output_tok_s"]
+        ratios[workload] = entry
+    return ratios
+
+
+def ratios_table(ratios: dict[str, dict]) -> str:
+    lines = ["| workload | batchgen / best transformers (out tok/s) | best transformers | caching on / off |",
+             "|---|---|---|---|"]
+    for workload, entry in ratios.items():
+        lines.append(f"| {workload} | {fmt(entry.get('vs_best_hf'), '.2f')}x | {entry.get('best_hf', 'n/a')} "
+                     f"| {fmt(entry.get('cache_on_vs_off'), '.3f')}x |")
+    return "\n".join(lines)
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor(), "num_cpus": psutil.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES), help="comma-separated workload ids")
+    parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help="comma-separated system names")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--size", default="cpu", choices=sorted(SIZES))
+    parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
+    parser.add_argument("--out", default="results.json")
+    parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
+    args = parser.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.systems = [s for s in args.systems.split(",") if s and not (args.skip_slow_baselines and s in SLOW_BASELINES)]
+    unknown = [w for w in args.workloads if w not in WORKLOAD_NAMES]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOAD_NAMES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    kv_cache_bytes = KV_CACHE_BYTES[args.size]
+    model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
+    hf_model = model
+    if any(s.startswith("batchgen") for s in args.systems):
+        hf_model = load_bench_model(args.model, args.device, args.dtype)[0]
+    systems = make_systems(args.systems, hf_model, model, tokenizer, kv_cache_bytes, BLOCK_SIZE,
+                           MAX_BATCH_TOKENS)
+    vocab_size, low = model.config.get_text_config().vocab_size, lowest_plain_token_id(tokenizer)
+    rows = []
+    for name in args.workloads:
+        workload = build_workload(name, args.size, vocab_size, low)
+        rows += bench_workload(workload, systems, args.repeats, device)
+    ratios = speed_ratios(rows)
+    print(f"\n{markdown_table(rows)}\n\n{ratios_table(ratios)}\n")
+    report = {"machine": machine_info(device), "args": vars(args), "kv_cache_bytes": kv_cache_bytes,
+              "block_size": BLOCK_SIZE, "rows": rows, "ratios": ratios}
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Roofline: batchgen's forward-step time next to what this machine's memory and arithmetic allow.
+
+    python scripts/roofline.py                                  # CPU, float32, default model
+    python scripts/roofline.py --dtype bfloat16
+    python scripts/roofline.py --device cuda --dtype bfloat16 --model random-smollm2
+
+Measured first: memory bandwidth (a large tensor copy; bytes read + written per second) and
+the matmul rate (a large square GEMM, float32 and bfloat16). Then for decode steps (batch 1,
+32, 64 at contexts 256, 1024, 2048) and one prefill step (2048 tokens) the bound is
+
+    max(bytes moved / bandwidth, FLOPs / matmul rate of the dtype)
+
+with bytes = weights read once + K/V read (the whole context of every sequence) + K/V written,
+and FLOPs = 2 * matmul parameters * tokens + 2 * vocab * hidden per logits row + attention
+(4 * heads * head_dim per query-key pair and layer).
+
+The measured time is one `ModelRunner.execute` call (pack, forward, attention over the paged
+pool, logits) on sequences placed straight into the pool: K/V contents are whatever the pool
+holds, which changes no cost. Scheduling and sampling are not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_models import load_bench_model  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.engine.model_runner import KVCacheSpec  # noqa: E402
+from batchgen.engine.scheduler import ScheduledSeq  # noqa: E402
+from batchgen.engine.sequence import Sequence  # noqa: E402
+
+BLOCK_SIZE = 16
+NUM_TIMED = 5
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Tensor sizes of the hardware probes and the step shapes to time."""
+
+    copy_bytes: int
+    gemm_n: int
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    prefill_tokens: int
+
+
+SIZES = {
+    "cpu": Sizes(512 * 2**20, 2048, (1, 32, 64), (256, 1024, 2048), 2048),
+    "cuda": Sizes(4 * 2**30, 8192, (1, 32, 64), (256, 1024, 2048), 2048),
+    "tiny": Sizes(8 * 2**20, 256, (1, 2), (32, 64), 64),
+}
+
+
+def best_time(fn, device: torch.device, repeats: int = NUM_TIMED, max_total_s: float = 2.0) -> float:
+    """The fastest of up to `repeats` timed calls after one warm-up call (seconds); stops early once
+    the timed calls took `max_total_s` together."""
+    fn()
+    times: list[float] = []
+    while len(times) < repeats and sum(times) < max_total_s:
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device, num_bytes: int) -> float:
+    """Bytes per second of a large copy, counting the bytes read and the bytes written."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / best_time(lambda: dst.copy_(src), device)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, max_n: int, max_call_s: float = 0.5) -> float:
+    """FLOP/s of an n x n by n x n matrix product in `dtype`. n doubles from 256 up to `max_n` while
+    one product is predicted to take under `max_call_s` (a dtype without fast kernels stays small)."""
+    n, rate = 256, 0.0
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        seconds = best_time(lambda: torch.matmul(a, b), device)
+        rate = max(rate, 2 * n**3 / seconds)
+        if 2 * n > max_n or 8 * seconds > max_call_s:
+            return rate
+        n *= 2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the bound needs to know about the model."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    num_body_params: int  # matmul parameters of the layers (no embedding, no lm_head)
+    num_weight_bytes: int  # weights a step reads: layers + lm_head (the embedding only if tied)
+    kv_bytes_per_token: int
+
+    @classmethod
+    def of(cls, model) -> ModelShape:
+        config = model.config.get_text_config()
+        spec = KVCacheSpec.from_model(model)
+        embedding = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
+        body = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if head.data_ptr() != embedding.data_ptr():
+            weight_bytes -= embedding.numel() * embedding.element_size()
+        return cls(config.num_hidden_layers, config.num_attention_heads, spec.head_dim, config.hidden_size,
+                   config.vocab_size, body, weight_bytes, spec.bytes_per_token)
+
+
+def step_cost(shape: ModelShape, query_lens: list[int], context_lens: list[int]) -> tuple[float, float]:
+    """(bytes moved, FLOPs) of one step; each sequence's queries are the last of its context."""
+    num_tokens, num_logits = sum(query_lens), len(query_lens)
+    num_pairs = sum(q * c - q * (q - 1) / 2 for q, c in zip(query_lens, context_lens))
+    flops = (2 * shape.num_body_params * num_tokens + 2 * shape.vocab_size * shape.hidden_size * num_logits
+             + 4 * shape.num_layers * shape.num_heads * shape.head_dim * num_pairs)
+    kv_bytes = shape.kv_bytes_per_token * (sum(context_lens) + num_tokens)
+    return shape.num_weight_bytes + kv_bytes, flops
+
+
+def placed_sequences(batch: int, context: int, num_new: int, vocab_size: int) -> list[ScheduledSeq]:
+    """`batch` sequences of `context` tokens whose first context - num_new are already "in the pool"
+    (sequence i owns blocks i * blocks_per_seq ...), each computing its last num_new tokens."""
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(0)
+    scheduled = []
+    for i in range(batch):
+        token_ids = torch.randint(3, vocab_size, (context,), generator=generator).tolist()
+        seq = Sequence(i, token_ids, SamplingParams(temperature=0.0), time.time())
+        seq.num_computed_tokens = context - num_new
+        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        scheduled.append(ScheduledSeq(seq, num_new))
+    return scheduled
+
+
+def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> float:
+    """Median seconds of `ModelRunner.execute` for this step shape, on a pool just large enough."""
+    shape_bytes = KVCacheSpec.from_model(model).bytes_per_token
+    num_tokens = batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE
+    llm = LLM(model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_memory=num_tokens * shape_bytes,
+              enable_prefix_caching=False, max_num_batched_tokens=max(2048, batch * num_new))
+    scheduled = placed_sequences(batch, context, num_new, model.config.get_text_config().vocab_size)
+    runner, device = llm.engine.runner, llm.engine.runner.device
+    runner.execute(scheduled, [])
+    times = []
+    for _ in range(NUM_TIMED):
+        synchronize(device)
+        start = time.perf_counter()
+        runner.execute(scheduled, [])
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def roofline_rows(model, tokenizer, sizes: Sizes, bandwidth: float, peak_flops: float) -> list[dict]:
+    """One row per step shape: measured time, the two bounds, and measured / bound."""
+    shape = ModelShape.of(model)
+    cases = [("decode", b, c, 1) for c in sizes.contexts for b in sizes.batches]
+    cases.append(("prefill", 1, sizes.prefill_tokens, sizes.prefill_tokens))
+    rows = []
+    for kind, batch, context, num_new in cases:
+        num_bytes, flops = step_cost(shape, [num_new] * batch, [context] * batch)
+        measured = time_step(model, tokenizer, batch, context, num_new)
+        memory_s, compute_s = num_bytes / bandwidth, flops / peak_flops
+        bound = max(memory_s, compute_s)
+        rows.append({"kind": kind, "batch": batch, "context": context, "num_new_tokens": num_new,
+                     "bytes": num_bytes, "flops": flops, "measured_s": measured, "memory_bound_s": memory_s,
+                     "compute_bound_s": compute_s, "bound_s": bound, "measured_over_bound": measured / bound,
+                     "achieved_flops": flops / measured, "achieved_bandwidth": num_bytes / measured})
+        print(f"  {kind} batch {batch} context {context}: {measured * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| step | batch | context | measured ms | memory bound ms | compute bound ms | measured / bound "
+             "| achieved GB/s | achieved GFLOP/s |", "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['measured_s'] * 1e3:.2f} "
+                     f"| {r['memory_bound_s'] * 1e3:.2f} | {r['compute_bound_s'] * 1e3:.2f} "
+                     f"| {r['measured_over_bound']:.2f}x | {r['achieved_bandwidth'] / 1e9:.1f} "
+                     f"| {r['achieved_flops'] / 1e9:.1f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
+    parser.add_argument("--size", default=None, choices=sorted(SIZES),
+                        help="probe and step sizes (default: the device's)")
+    parser.add_argument("--out", default="roofline.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    sizes = SIZES[args.size or args.device]
+    bandwidth = measure_bandwidth(device, sizes.copy_bytes)
+    matmul = {name: measure_matmul(device, dtype, sizes.gemm_n)
+              for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); matmul "
+          + ", ".join(f"{name} {rate / 1e9:.1f} GFLOP/s" for name, rate in matmul.items()))
+    model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
+    rows = roofline_rows(model, tokenizer, sizes, bandwidth, matmul[args.dtype])
+    print(f"\nmodel {args.model or 'default'}, {args.dtype} on {args.device}\n\n{markdown_table(rows)}\n")
+    report = {"args": vars(args), "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": matmul, "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

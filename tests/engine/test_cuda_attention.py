@@ -1,0 +1,168 @@
+"""The Triton paged decode kernel against a plain gather + float64 softmax reference.
+
+It runs natively on CUDA (`gpu` marker) and, where Triton is installed, on the CPU through
+Triton's interpreter. TRITON_INTERPRET is read when Triton is imported, so the interpreter
+run happens in a subprocess (`python -c "...; main()"` below) and never leaks into this one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.engine import cuda_attention
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+BLOCK_SIZE = 16
+
+# (num_heads, num_kv_heads, head_dim): GQA groups 1, 3, 4, 4; 80 is no power of two.
+SHAPES = [(4, 4, 64), (9, 3, 64), (8, 2, 16), (12, 3, 80)]
+INTERPRETER_CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 317]
+CUDA_CONTEXT_LENS = INTERPRETER_CONTEXT_LENS + [1000, 2100, 4096]
+# (absolute, relative) tolerance; half-precision outputs are rounded once from float32.
+TOLERANCES = {torch.float32: (1e-5, 0.0), torch.bfloat16: (1e-2, 8e-3), torch.float16: (2e-3, 2e-3)}
+
+
+def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Gather each sequence's K/V through its block table; softmax in float64."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for s in range(num_seqs):
+        positions = torch.arange(int(context_lens[s]), device=q.device)
+        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
+        keys = flat_k[slots].repeat_interleave(group, dim=1)  # [len, num_heads, head_dim]
+        values = flat_v[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
+        out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device):
+    """Random q and caches; each sequence's blocks scattered over a shuffled pool; tables padded."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_tables = torch.zeros((len(context_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
+    offset = 0
+    for s, count in enumerate(blocks_per_seq):
+        block_tables[s, :count] = block_ids[offset:offset + count]
+        offset += count
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    q = torch.randn((len(context_lens), num_heads, head_dim), generator=generator).to(dtype)
+    tensors = (q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32))
+    return tuple(t.to(device) for t in tensors)
+
+
+def check_case(context_lens, shape, dtype, num_splits, device) -> str | None:
+    """Run one case; None when it matches the reference, else a description of the mismatch."""
+    num_heads, num_kv_heads, head_dim = shape
+    seed = zlib.crc32(f"{dtype}-{shape}-{num_splits}".encode())
+    q, k_cache, v_cache, block_tables, context_lens_tensor = make_inputs(
+        context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    result = cuda_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens_tensor, scale,
+                                                   out=out, num_splits=num_splits)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens_tensor, scale)
+    atol, rtol = TOLERANCES[dtype]
+    error = (out.double() - expected).abs()
+    if result is not out or out.dtype != dtype or torch.isnan(out).any():
+        return f"{dtype} {shape} splits={num_splits}: output not written in place or NaN"
+    if not (error <= atol + rtol * expected.abs()).all():
+        return f"{dtype} {shape} splits={num_splits}: max error {error.max().item():.3g}"
+    return None
+
+
+def interpreter_cases():
+    """Each dtype and each shape; the merge path (3 splits) and the direct one (on the CPU the
+    automatic choice is 1 split) alternate so both meet every dtype and shape at least once."""
+    return [(dtype, shape, (None, 3)[(i + j) % 2]) for i, dtype in enumerate((torch.float32, torch.bfloat16))
+            for j, shape in enumerate(SHAPES)]
+
+
+def main() -> None:
+    """Interpreter run (under TRITON_INTERPRET=1): every case on the CPU; exit 1 on a mismatch."""
+    failures = [f for dtype, shape, splits in interpreter_cases()
+                if (f := check_case(INTERPRETER_CONTEXT_LENS, shape, dtype, splits, "cpu")) is not None]
+    print("\n".join(failures) or f"{len(interpreter_cases())} cases match")
+    sys.exit(1 if failures else 0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_interpreter_matches_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    code = "from tests.engine.test_cuda_attention import main; main()"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert f"{len(interpreter_cases())} cases match" in result.stdout
+
+
+def test_module_imports_and_is_unavailable_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from batchgen.engine import cuda_attention as ca\n"
+            "from batchgen.engine.attention import _decode_function, gather_decode\n"
+            "assert not ca.is_available()\n"
+            "assert _decode_function(torch.device('cuda')) is gather_decode\n"
+            "try:\n"
+            "    ca.paged_decode_attention(*[torch.zeros(1)] * 5, 1.0)\n"
+            "except RuntimeError as error:\n"
+            "    print('refused:', error)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused: the CUDA paged-attention kernel needs Triton" in result.stdout
+
+
+def test_split_count_fills_the_device_and_keeps_splits_long():
+    assert cuda_attention.choose_num_splits(32, 3, 1024, 64, 132) == 4  # bounded by 256 tokens a split
+    assert cuda_attention.choose_num_splits(1, 8, 32768, 64, 132) == 64  # bounded by MAX_SPLITS
+    assert cuda_attention.choose_num_splits(2, 8, 4096, 64, 132) == 16
+    assert cuda_attention.choose_num_splits(256, 8, 4096, 64, 132) == 1  # 2048 programs already
+    assert cuda_attention.choose_num_splits(4, 2, 100, 64, 132) == 1
+
+
+requires_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA and triton")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_matches_reference(dtype, shape, num_splits):
+    assert check_case(CUDA_CONTEXT_LENS, shape, dtype, num_splits, "cuda") is None
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_strided_query_and_backend_wiring():
+    from batchgen.engine.attention import gather_decode, make_backend
+
+    assert cuda_attention.is_available()
+    assert make_backend("auto", torch.device("cuda")).decode is cuda_attention.paged_decode_attention
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs(
+        CUDA_CONTEXT_LENS, 9, 3, 64, torch.bfloat16, seed=5, device="cuda")
+    strided_q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [S, H, D] view with head-major memory
+    out = cuda_attention.paged_decode_attention(strided_q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    gathered = gather_decode(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    assert (out.float() - gathered.float()).abs().max().item() < 2e-2
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    assert ((out.double() - expected).abs() <= 1e-2 + 8e-3 * expected.abs()).all()

@@ -1,0 +1,83 @@
+"""The benchmark scripts run end to end in their smallest mode (tiny random model, tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench  # noqa: E402
+import roofline  # noqa: E402
+from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and a busy machine makes extra threads costly)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def test_workloads_are_reproducible_and_avoid_low_ids():
+    for name in WORKLOAD_NAMES:
+        first = build_workload(name, "tiny", vocab_size=512, low_token_id=3)
+        again = build_workload(name, "tiny", vocab_size=512, low_token_id=3)
+        assert first.prompt_ids == again.prompt_ids and first.max_tokens == again.max_tokens
+        assert all(3 <= t < 512 for prompt in first.prompt_ids for t in prompt)
+        assert len(first.max_tokens) == len(first.prompt_ids)
+
+
+def test_cpu_sizes_match_the_issue():
+    shared = build_workload("shared-system", "cpu", 49152, 17)
+    assert len(shared.prompt_ids) == 64 and {len(p) for p in shared.prompt_ids} == {1088}
+    assert plan_stats(shared, 16).num_tokens_to_prefill == 4 * 1024 + 64 * 64
+    samples = build_workload("n-samples", "cpu", 49152, 17)
+    assert samples.n * len(samples.prompt_ids) == 128 and not samples.is_greedy
+    assert SIZES["gpu"].num(16) == 256
+
+
+def test_bench_tiny_runs_systems_and_checks_tokens(tmp_path, one_thread):
+    out = tmp_path / "results.json"
+    report = bench.main(["--model", "random-tiny", "--size", "tiny", "--repeats", "2", "--out", str(out),
+                         "--workloads", "shared-system,n-samples",
+                         "--systems", "hf-generate-b1,hf-generate-padded,batchgen-nocache,batchgen"])
+    assert json.loads(out.read_text())["ratios"].keys() == {"shared-system", "n-samples"}
+    rows = {(r["workload"], r["system"]): r for r in report["rows"]}
+    assert len(rows) == 2 * 5
+    assert all("error" not in r and len(r["wall_s"]) == 2 for r in rows.values())
+    shared = rows["shared-system", "batchgen"]
+    assert shared["num_computed_prompt_tokens"] == shared["plan_tokens_to_prefill"]
+    assert shared["hit_rate"] == pytest.approx(shared["ideal_hit_rate"])
+    assert rows["shared-system", "batchgen-nocache"]["num_computed_prompt_tokens"] == shared["num_prompt_tokens"]
+    for system in ("hf-generate-b1", "hf-generate-padded-8", "hf-generate-padded-32", "batchgen-nocache"):
+        assert rows["shared-system", system]["tokens"]["num_mismatched"] == 0
+    assert rows["n-samples", "hf-generate-b1"]["tokens"] == "not compared (sampled)"
+    assert rows["n-samples", "batchgen-nocache"]["tokens"]["num_mismatched"] == 0
+
+
+def test_roofline_tiny_reports_bounds(tmp_path, one_thread):
+    out = tmp_path / "roofline.json"
+    report = roofline.main(["--model", "random-tiny", "--size", "tiny", "--out", str(out)])
+    sizes = roofline.SIZES["tiny"]
+    assert len(report["rows"]) == len(sizes.batches) * len(sizes.contexts) + 1
+    for row in report["rows"]:
+        assert row["measured_s"] > 0 and row["bound_s"] == max(row["memory_bound_s"], row["compute_bound_s"])
+    assert json.loads(out.read_text())["matmul_flops_per_s"].keys() == {"float32", "bfloat16"}
+
+
+def test_step_cost_counts_weights_kv_and_attention():
+    shape = roofline.ModelShape(num_layers=2, num_heads=4, head_dim=8, hidden_size=32, vocab_size=100,
+                                num_body_params=1000, num_weight_bytes=4000, kv_bytes_per_token=64)
+    num_bytes, flops = roofline.step_cost(shape, query_lens=[1, 1], context_lens=[10, 20])
+    assert num_bytes == 4000 + 64 * (30 + 2)
+    assert flops == 2 * 1000 * 2 + 2 * 100 * 32 * 2 + 4 * 2 * 4 * 8 * 30
+    _, prefill_flops = roofline.step_cost(shape, query_lens=[4], context_lens=[4])
+    assert prefill_flops == 2 * 1000 * 4 + 2 * 100 * 32 + 4 * 2 * 4 * 8 * (4 + 3 + 2 + 1)
