@@ -233,18 +233,24 @@ def load_from_hub(
     """Model, tokenizer and snapshot folder for a hub id; the cache first, the hub if reachable."""
     from huggingface_hub import try_to_load_from_cache
 
+    model, tokenizer = from_cache_or_hub(model_id, lambda **kwargs: load_pretrained(model_id, dtype, **kwargs))
+    config_path = try_to_load_from_cache(model_id, "config.json")
+    path = Path(config_path).parent if isinstance(config_path, str) else Path(model_id)
+    return model, tokenizer, path
+
+
+def from_cache_or_hub(model_id: str, load):
+    """``load(local_files_only=True)``; failing that ``load()`` when the hub is reachable, else
+    ``ModelNotFoundError`` at once (no stack of hub retries)."""
     try:
-        model, tokenizer = load_pretrained(model_id, dtype, local_files_only=True)
+        return load(local_files_only=True)
     except (OSError, ValueError) as error:
         if not is_hub_reachable():
             raise ModelNotFoundError(
                 f"model {model_id!r} not found: it is not a local folder or .gguf file, it is not "
                 "in the Hugging Face cache, and the hub is unreachable"
             ) from error
-        model, tokenizer = load_pretrained(model_id, dtype)
-    config_path = try_to_load_from_cache(model_id, "config.json")
-    path = Path(config_path).parent if isinstance(config_path, str) else Path(model_id)
-    return model, tokenizer, path
+        return load()
 
 
 def resolve_source(model: str | None) -> tuple[str, Path | None, Path | None]:
@@ -265,6 +271,16 @@ def resolve_source(model: str | None) -> tuple[str, Path | None, Path | None]:
     return model, None, None
 
 
+def local_folder(model: str | None) -> tuple[str, Path | None]:
+    """(name, local folder or None for a hub id); a GGUF file is converted once and cached."""
+    name, gguf_path, folder = resolve_source(model)
+    if gguf_path is not None:
+        folder = converted_gguf_dir(gguf_path)
+        if not folder.is_dir():
+            convert_gguf(gguf_path, folder)
+    return name, folder
+
+
 def load_model(
     model: str | None = None,
     *,
@@ -274,11 +290,7 @@ def load_model(
     """Load a model and its tokenizer, ready for inference (see the module docstring)."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    name, gguf_path, folder = resolve_source(model)
-    if gguf_path is not None:
-        folder = converted_gguf_dir(gguf_path)
-        if not folder.is_dir():
-            convert_gguf(gguf_path, folder)
+    name, folder = local_folder(model)
     if folder is not None:
         hf_model, tokenizer = load_pretrained(folder, torch_dtype)
         path = folder
@@ -286,3 +298,16 @@ def load_model(
         hf_model, tokenizer, path = load_from_hub(name, torch_dtype)
     hf_model = hf_model.to(torch_device).eval()
     return LoadedModel(hf_model, tokenizer, torch_device, torch_dtype, path, name)
+
+
+def load_tokenizer_and_config(model: str | None) -> tuple[PreTrainedTokenizerBase, transformers.PretrainedConfig]:
+    """The tokenizer and config ``load_model(model)`` would use, without loading weights."""
+    name, folder = local_folder(model)
+    source = folder if folder is not None else name
+
+    def load(**hub_kwargs):
+        with quiet_transformers():
+            return (AutoTokenizer.from_pretrained(source, **hub_kwargs),
+                    transformers.AutoConfig.from_pretrained(source, **hub_kwargs))
+
+    return load() if folder is not None else from_cache_or_hub(name, load)

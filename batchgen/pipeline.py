@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from batchgen import models
 from batchgen.config import JobConfig
-from batchgen.engine.llm_engine import error_output
+from batchgen.engine.llm_engine import error_output, max_context_len
 from batchgen.engine.radix_tree import RadixTree
 from batchgen.io import (
     InputRow,
@@ -106,40 +106,23 @@ def split_rows(config: JobConfig, rows: list[InputRow]) -> tuple[list[tuple[Inpu
     return good, bad
 
 
-def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
-    """The tokenizer ``LLM(model)`` uses, loaded without the weights (same source resolution)."""
-    name, gguf_path, folder = models.resolve_source(model)
-    with models.quiet_transformers():
-        if gguf_path is not None:
-            converted = models.converted_gguf_dir(gguf_path)
-            if converted.is_dir():
-                return AutoTokenizer.from_pretrained(converted)
-            return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        if folder is not None:
-            return AutoTokenizer.from_pretrained(folder)
-        try:
-            return AutoTokenizer.from_pretrained(name, local_files_only=True)
-        except (OSError, ValueError) as error:
-            if not models.is_hub_reachable():
-                message = f"model {name!r} not found locally and the hub is unreachable"
-                raise models.ModelNotFoundError(message) from error
-            return AutoTokenizer.from_pretrained(name)
-
-
 def plan_job(config: JobConfig, limit: int | None = None) -> PlanReport:
     """The radix-tree plan of the job's rows, from the tokenizer alone (no model forward)."""
     table, _ = open_input(config)
     rows = read_rows(config, table, limit)
     good, bad = split_rows(config, rows)
     try:
-        tokenizer = load_tokenizer(config.model)
+        tokenizer, model_config = models.load_tokenizer_and_config(config.model)
     except ValueError as error:
         raise config.error("model", str(error)) from None
+    max_prompt_len = max_context_len(model_config.get_text_config()) - 1
     tree = RadixTree(config.engine.block_size)
     ids = {}
     for row, _ in good:
         try:
             token_ids = encode_prompt(tokenizer, row.prompt)
+            if len(token_ids) > max_prompt_len:
+                raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {max_prompt_len}")
         except ValueError as error:
             bad.append(dataclasses.replace(row, prompt=None, error=f"row {row.index}: {error}"))
             continue

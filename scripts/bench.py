@@ -274,10 +274,14 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.workloads:
         workload = build_workload(name, args.size, vocab_size, low)
         rows += bench_workload(workload, systems, args.repeats, device)
-    ratios = speed_ratios(rows)
-    print(f"\n{markdown_table(rows)}\n\n{ratios_table(ratios)}\n")
+        report = save_report(args, device, kv_cache_bytes, rows)  # after each workload: a cut-off run keeps its rows
+    print(f"\n{markdown_table(rows)}\n\n{ratios_table(report['ratios'])}\n")
+    return report
+
+
+def save_report(args: argparse.Namespace, device: torch.device, kv_cache_bytes: int, rows: list[dict]) -> dict:
     report = {"machine": machine_info(device), "args": vars(args), "kv_cache_bytes": kv_cache_bytes,
-              "block_size": BLOCK_SIZE, "rows": rows, "ratios": ratios}
+              "block_size": BLOCK_SIZE, "rows": rows, "ratios": speed_ratios(rows)}
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     return report
 

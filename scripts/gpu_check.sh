@@ -5,6 +5,9 @@
 #
 #   scripts/gpu_check.sh OUTDIR
 #
+# GPU_CHECK_ONLY="bench roofline" runs only the steps named (for a rerun); GPU_CHECK_BENCH_ARGS
+# replaces the extra arguments of scripts/bench.py (default: --skip-slow-baselines).
+#
 # Writes at most 7 files to OUTDIR: env.log, tests.log, attention_bench.log, roofline.log,
 # roofline_gpu.json, bench.log, bench_gpu.json. Needs no network: the repo runs from its
 # folder (PYTHONPATH), and wheels of packages the machine lacks are installed, without their
@@ -27,6 +30,9 @@ SUMMARY=()
 step() {
     local name=$1 limit=$2 log_name=$3 log=$OUTDIR/$3
     shift 3
+    if [[ -n ${GPU_CHECK_ONLY:-} && " $GPU_CHECK_ONLY " != *" $name "* ]]; then
+        return
+    fi
     local left=$((BUDGET_S - SECONDS))
     if ((left < 20)); then
         SUMMARY+=("$(printf '%-16s SKIPPED (budget of %ss spent)' "$name" "$BUDGET_S")")
@@ -87,21 +93,27 @@ export -f install_wheels describe_env
 step wheels 60 env.log bash -c install_wheels
 [[ -d /tmp/batchgen-site ]] && export PYTHONPATH="$PYTHONPATH:/tmp/batchgen-site"
 step env 60 env.log bash -c describe_env
-step kernel-tests 150 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/engine/test_cuda_attention.py
+step kernel-tests 180 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/engine/test_cuda_attention.py
 step exactness 150 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cuda_exactness.py
 step attention-bench 90 attention_bench.log "$PYTHON" scripts/bench_cuda_attention.py --repeats 30
-step roofline 90 roofline.log "$PYTHON" scripts/roofline.py --device cuda --dtype bfloat16 \
+step roofline 80 roofline.log "$PYTHON" scripts/roofline.py --device cuda --dtype bfloat16 \
     --model random-smollm2 --out "$OUTDIR/roofline_gpu.json"
+read -r -a BENCH_EXTRA_ARGS <<<"${GPU_CHECK_BENCH_ARGS---skip-slow-baselines}"
 step bench 300 bench.log "$PYTHON" scripts/bench.py --device cuda --dtype bfloat16 --size gpu \
-    --model random-smollm2 --repeats 3 --out "$OUTDIR/bench_gpu.json"
+    --model random-smollm2 --repeats 3 --out "$OUTDIR/bench_gpu.json" "${BENCH_EXTRA_ARGS[@]}"
 
 echo
 echo "== summary ($SECONDS s of a ${BUDGET_S} s budget; logs in $OUTDIR)"
 printf '%s\n' "${SUMMARY[@]}"
 echo
 echo "== test results"
-grep -hE '^(FAILED|ERROR)|^[0-9]+ (passed|failed|skipped|deselected|errors?)|no tests ran' "$OUTDIR/tests.log" || true
+grep -hE '^(FAILED|ERROR)|^[0-9]+ (passed|failed|skipped|deselected|errors?)|no tests ran' "$OUTDIR/tests.log" 2>/dev/null || true
 echo
 echo "== attention kernel vs gather"
-grep -E '^\|' "$OUTDIR/attention_bench.log" || tail -n 5 "$OUTDIR/attention_bench.log"
+grep -E '^[|]' "$OUTDIR/attention_bench.log" 2>/dev/null || tail -n 3 "$OUTDIR/attention_bench.log" 2>/dev/null
+for log in roofline bench; do
+    echo
+    echo "== $log (last lines of $log.log)"
+    tail -n 40 "$OUTDIR/$log.log" 2>/dev/null | grep -v Warning
+done
 ! printf '%s\n' "${SUMMARY[@]}" | grep -qE 'FAILED|TIMED OUT|SKIPPED'

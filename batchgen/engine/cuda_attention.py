@@ -29,8 +29,9 @@ bf16 reads 25.2 MB, about 5.9 µs per layer; batch 256 × 4096 reads 805 MB, abo
 Partial results add S × H × num_splits × (head_dim + 1) × 4 bytes, written and read once.
 
 Invariants:
-- Triton is imported here, and this module is imported only when a CUDA device asks for its
-  decode path, so CPU users without Triton never import it; ``is_available()`` never raises.
+- Triton is imported here, guarded, and the engine imports this module only when a CUDA
+  device asks for its decode path: CPU users without Triton never need it, and without
+  Triton ``is_available()`` is False (it never raises).
 - Every element of the output is written; context lengths are >= 1 (each sequence's own new
   token is already in the cache), so split 0 of every sequence is non-empty.
 - Offsets into the cache are 64-bit: pools larger than 2**31 elements are addressed correctly.
@@ -67,7 +68,8 @@ def launch_config(head_dim: int) -> tuple[int, int, int, int]:
 
     A [BLOCK_N, BLOCK_D] tile of K and one of V are in flight per pipeline stage (cp.async
     copies; the page-index loads are pipelined with them). The table keeps each program under
-    ~90 registers per thread on sm_90 (so 5+ programs fit an SM) with 8-32 KiB per stage.
+    ~90 registers per thread on sm_90 (so 5+ programs fit an SM) with 16-32 KiB of bf16 K+V
+    per stage (as compiled for sm_90 by Triton 3.6 and 3.9: no register spills).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if block_d <= 64:
@@ -187,7 +189,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
         raise ValueError(f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], "
                          f"got {block_tables.dtype} {tuple(block_tables.shape)}")
     if context_lens.dtype != torch.int32 or context_lens.shape != (num_seqs,):
-        raise ValueError(f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+        raise ValueError(f"context_lens must be int32 [{num_seqs}], "
+                         f"got {context_lens.dtype} {tuple(context_lens.shape)}")
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and context_lens.is_contiguous()):

@@ -59,10 +59,20 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(path: Path, prefix: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Write via a temp file in the same folder, fsync, then os.replace onto `path`."""
+    """Write via a temp file in the same folder, fsync, then os.replace onto `path`.
+
+    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600.
+    """
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=prefix)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as file:
             write(file)
             file.flush()
