@@ -30,7 +30,7 @@ def test_greedy_equals_transformers_on_mixed_workload(default_llm, workload_and_
 
 def test_small_pool_gives_the_same_outputs(default_llm, workload_and_oracle):
     workload, expected = workload_and_oracle
-    small = LLM(default_llm.engine.runner.model, tokenizer=default_llm.tokenizer, kv_cache_memory="4MiB",
+    small = LLM(default_llm.engine.runner.model, tokenizer=default_llm.tokenizer, kv_cache_memory="30MiB",
                 max_num_batched_tokens=512)
     outputs = small.generate([p for p, _ in workload], greedy_params(workload), use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected

@@ -6,6 +6,8 @@ samples, finish sequences. A request's output is emitted once all its samples fi
 Invariants:
 - Every added request yields exactly one RequestOutput (from `step()`), with one
   CompletionOutput per sample.
+- `stats` holds the counters: requests, prompt tokens (total / computed / served from cache),
+  output tokens, steps, pool blocks (used / free / cached), evictions and preemptions.
 - `stats["num_computed_prompt_tokens"]` counts prompt positions whose K/V were computed
   (recomputation after preemption included); with a pool large enough for no preemption it
   equals the planner's `num_tokens_to_prefill`.
@@ -53,6 +55,7 @@ class LLMEngine:
         self.stats = dict.fromkeys(
             ["num_requests", "num_prompt_tokens", "num_computed_prompt_tokens", "num_cached_prompt_tokens",
              "num_output_tokens", "num_steps"], 0)
+        self._update_pool_stats()
 
     # ---- requests ---------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
@@ -112,6 +115,13 @@ class LLMEngine:
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token, now)
         self.stats["num_steps"] += 1
+        self._update_pool_stats()
+
+    def _update_pool_stats(self) -> None:
+        pool = self.block_manager
+        self.stats.update(num_blocks_used=pool.num_used_blocks, num_blocks_free=pool.num_free_blocks,
+                          num_blocks_cached=pool.num_cached_blocks, num_evictions=pool.num_evictions,
+                          num_preemptions=self.scheduler.num_preemptions)
 
     def _count_computed(self, scheduled: list[ScheduledSeq]) -> None:
         for item in scheduled:
