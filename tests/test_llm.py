@@ -95,6 +95,17 @@ def test_n_samples_share_the_prompt(prompt_len):
         assert llm.generate([prompt], single, use_tqdm=False)[0].token_ids == output.outputs[index].token_ids
 
 
+def test_n_samples_survive_a_pool_too_small_to_fork():
+    prompt = list(range(3, 43))  # 3 blocks, the last one partial
+    params = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
+    roomy = LLM(tiny_model(), tokenizer=tiny_tokenizer()).generate([prompt], params, use_tqdm=False)[0]
+    tight = LLM(tiny_model(), tokenizer=tiny_tokenizer(), kv_cache_memory=4 * 16 * BYTES_PER_TOKEN)
+    assert tight.engine.block_manager.num_blocks == 4
+    output = tight.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in output.outputs] == [c.token_ids for c in roomy.outputs]
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
 def test_seeded_sampling_is_independent_of_batch():
     llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
     prompt = list(range(10, 50))

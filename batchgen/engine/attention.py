@@ -15,8 +15,9 @@ Layout invariants (`AttentionMetadata`):
 - Sequences with one query token (decoding) come first: `num_decode_seqs` of them.
 
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
-others; "native" batches decode rows through a compiled kernel that reads the pool in place
-(CPU) and runs prefill chunks through `scaled_dot_product_attention`.
+others; "native" batches decode rows through one kernel call that reads the pool in place
+(compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
+runs prefill chunks through `scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class NativeBackend(AttentionBackend):
         out = torch.empty_like(q)
         num_decode = meta.num_decode_seqs
         if num_decode:
-            out[:num_decode] = self.decode(q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode],
+            out[:num_decode] = self.decode(q[:num_decode].contiguous(), k_cache, v_cache, meta.block_tables[:num_decode],
                                            meta.context_lens[:num_decode], scale)
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from batchgen.engine.decode_inputs import check_decode_inputs
+
 logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
@@ -124,24 +126,8 @@ def is_available() -> bool:
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
-    """Cheap shape/dtype/contiguity checks; raise ValueError naming the problem."""
-    if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"q must be 3-D and k_cache 4-D, got {tuple(q.shape)} and {tuple(k_cache.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in _DTYPE_CODES:
-        raise ValueError(f"q, k_cache, v_cache must share a float32/bfloat16/float16 dtype, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)} "
-                         "(head_dim must match and num_heads be a multiple of num_kv_heads)")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], "
-                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if context_lens.dtype != torch.int32 or context_lens.shape != (num_seqs,):
-        raise ValueError(f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+    """The shared contract, plus: every tensor contiguous and on the CPU."""
+    check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                          ("block_tables", block_tables), ("context_lens", context_lens)):
         if not tensor.is_contiguous() or tensor.device.type != "cpu":

@@ -44,6 +44,8 @@ import math
 
 import torch
 
+from batchgen.engine.decode_inputs import check_decode_inputs
+
 try:
     import triton
     import triton.language as tl
@@ -55,7 +57,6 @@ MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def is_available() -> bool:
@@ -174,23 +175,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
-    """Cheap shape/dtype/layout checks; raise ValueError naming the problem."""
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q must be 3-D and k_cache/v_cache 4-D of one shape, got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in _DTYPES:
-        raise ValueError(f"q, k_cache, v_cache must share a float32/bfloat16/float16 dtype, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    num_seqs, num_heads, head_dim = q.shape
-    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2] != 0:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)} "
-                         "(head_dim must match and num_heads be a multiple of num_kv_heads)")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], "
-                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if context_lens.dtype != torch.int32 or context_lens.shape != (num_seqs,):
-        raise ValueError(f"context_lens must be int32 [{num_seqs}], "
-                         f"got {context_lens.dtype} {tuple(context_lens.shape)}")
+    """The shared contract, plus: `out` like q, unit last strides, contiguous caches, one device."""
+    check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and context_lens.is_contiguous()):

@@ -23,7 +23,7 @@ from batchgen.engine.engine_config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sampler import SamplingRow, make_generator, sample
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.sequence import Sequence, SequenceStatus
 from batchgen.engine.stop_checker import StopChecker
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -138,12 +138,12 @@ class LLMEngine:
             generator = make_generator(seq.params.seed, index, self.runner.device) if seq.params.seed is not None else None
             child = seq.fork(index, generator)
             if len(seq) % self.block_manager.block_size and not self.block_manager.can_allocate(1):
-                self.block_manager.forget(child)
-                child.num_computed_tokens = 0
+                child.num_computed_tokens = 0  # no block for its copy: it waits and recomputes
+                child.status = SequenceStatus.WAITING
                 self.scheduler.add(child)
             else:
                 self.block_manager.fork(seq, child)
-                self.scheduler.running.append(child)
+                self.scheduler.add_running(child)
             children.append(child)
         seq.num_forks_pending = 0
         return children
@@ -164,10 +164,7 @@ class LLMEngine:
             self._finish(seq, reason, now)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        if seq in self.scheduler.running:
-            self.scheduler.finish(seq)
-        else:
-            self.scheduler.waiting.remove(seq)
+        self.scheduler.finish(seq)
         seq.metrics.finished_time = now
         request = self._requests[seq.request_id]
         text = self.stop_checker.output_text(seq)

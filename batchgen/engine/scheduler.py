@@ -53,6 +53,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one: it already holds its blocks."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -123,8 +128,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished sequence and release its blocks."""
-        self.running.remove(seq)
+        """Remove a finished sequence (running, or a fork still waiting) and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.block_manager.forget(seq)
         seq.status = SequenceStatus.FINISHED
