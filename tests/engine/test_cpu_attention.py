@@ -2,53 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
 import torch
 
 from batchgen.engine import cpu_attention
+from tests.engine.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the kernel")
 
-BLOCK_SIZE = 16
-
-
-def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Gather each sequence's K/V through its block table; softmax in float64."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
-    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for s in range(num_seqs):
-        positions = torch.arange(int(context_lens[s]))
-        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
-        keys = flat_k[slots].repeat_interleave(group, dim=1)      # [len, num_heads, head_dim]
-        values = flat_v[slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
-        out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
-    return out
-
-
-def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed):
-    """Random q and caches, with each sequence's blocks scattered over a shuffled pool."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
-    block_tables = torch.full((len(context_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
-    offset = 0
-    for s, count in enumerate(blocks_per_seq):
-        block_tables[s, :count] = block_ids[offset:offset + count]
-        offset += count
-    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    q = torch.randn((len(context_lens), num_heads, head_dim), generator=generator).to(dtype)
-    return q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
 
 
 CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 317]
@@ -64,7 +27,7 @@ TOLERANCES = [(torch.float32, 1e-5, 0.0), (torch.bfloat16, 1e-2, 8e-3), (torch.f
 def test_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim):
     seed = zlib.crc32(f"{dtype}-{num_heads}-{num_kv_heads}-{head_dim}".encode())
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
-        CONTEXT_LENS, num_heads, num_kv_heads, head_dim, dtype, seed)
+        CONTEXT_LENS, num_heads, num_kv_heads, head_dim, dtype, seed, pad=-1)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     result = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
@@ -75,7 +38,7 @@ def test_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim)
 
 
 def test_single_token_context_returns_its_value():
-    q, k_cache, v_cache, block_tables, context_lens = make_inputs([1], 6, 2, 32, torch.float32, seed=1)
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs([1], 6, 2, 32, torch.float32, seed=1, pad=-1)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
     value = v_cache[int(block_tables[0, 0]), 0]                     # [num_kv_heads, head_dim]
     assert torch.equal(out[0], value.repeat_interleave(3, dim=0))
@@ -85,7 +48,7 @@ def test_single_token_context_returns_its_value():
 def test_thread_counts_agree_with_reference(monkeypatch, num_threads):
     """A batch big enough for the kernel's parallel path (>= 4096 token x kv-head pairs)."""
     context_lens = torch.randint(1, 400, (24,), generator=torch.Generator().manual_seed(num_threads)).tolist()
-    q, k_cache, v_cache, block_tables, lens = make_inputs(context_lens, 9, 3, 64, torch.float32, seed=num_threads)
+    q, k_cache, v_cache, block_tables, lens = make_inputs(context_lens, 9, 3, 64, torch.float32, seed=num_threads, pad=-1)
     expected = reference_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
     monkeypatch.setattr(torch, "get_num_threads", lambda: num_threads)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
@@ -93,21 +56,21 @@ def test_thread_counts_agree_with_reference(monkeypatch, num_threads):
 
 
 def test_rejects_out_of_range_block_id():
-    q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=3)
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=3, pad=-1)
     block_tables[0, 1] = k_cache.shape[0]
     with pytest.raises(ValueError, match="block table entry"):
         cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
 
 
 def test_rejects_context_longer_than_block_table():
-    q, k_cache, v_cache, block_tables, _ = make_inputs([20], 4, 4, 32, torch.float32, seed=4)
+    q, k_cache, v_cache, block_tables, _ = make_inputs([20], 4, 4, 32, torch.float32, seed=4, pad=-1)
     too_long = torch.tensor([block_tables.shape[1] * BLOCK_SIZE + 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="context length"):
         cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, too_long, 0.1)
 
 
 def test_rejects_mismatched_inputs():
-    q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=5)
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=5, pad=-1)
     with pytest.raises(ValueError, match="dtype"):
         cpu_attention.paged_decode_attention(q.bfloat16(), k_cache, v_cache, block_tables, context_lens, 0.1)
     with pytest.raises(ValueError, match="block_tables must be int32"):
@@ -123,7 +86,7 @@ def test_missing_compiler_makes_kernel_unavailable(monkeypatch):
     try:
         assert cpu_attention.is_available() is False
         with pytest.raises(RuntimeError, match="unavailable"):
-            q, k_cache, v_cache, block_tables, context_lens = make_inputs([5], 2, 1, 32, torch.float32, seed=6)
+            q, k_cache, v_cache, block_tables, context_lens = make_inputs([5], 2, 1, 32, torch.float32, seed=6, pad=-1)
             cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
     finally:
         cpu_attention._load_kernel.cache_clear()

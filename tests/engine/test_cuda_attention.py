@@ -8,7 +8,6 @@ run happens in a subprocess (`python -c "...; main()"` below) and never leaks in
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import subprocess
 import sys
@@ -19,11 +18,11 @@ import pytest
 import torch
 
 from batchgen.engine import cuda_attention
+from tests.engine.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
-BLOCK_SIZE = 16
 
 # (num_heads, num_kv_heads, head_dim): GQA groups 1, 3, 4, 4; 80 is no power of two.
 SHAPES = [(4, 4, 64), (9, 3, 64), (8, 2, 16), (12, 3, 80)]
@@ -31,43 +30,6 @@ INTERPRETER_CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 3
 CUDA_CONTEXT_LENS = INTERPRETER_CONTEXT_LENS + [1000, 2100, 4096]
 # (absolute, relative) tolerance; half-precision outputs are rounded once from float32.
 TOLERANCES = {torch.float32: (1e-5, 0.0), torch.bfloat16: (1e-2, 8e-3), torch.float16: (2e-3, 2e-3)}
-
-
-def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Gather each sequence's K/V through its block table; softmax in float64."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
-    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
-    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    for s in range(num_seqs):
-        positions = torch.arange(int(context_lens[s]), device=q.device)
-        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
-        keys = flat_k[slots].repeat_interleave(group, dim=1)  # [len, num_heads, head_dim]
-        values = flat_v[slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
-        out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
-    return out
-
-
-def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device):
-    """Random q and caches; each sequence's blocks scattered over a shuffled pool; tables padded."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
-    block_tables = torch.zeros((len(context_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
-    offset = 0
-    for s, count in enumerate(blocks_per_seq):
-        block_tables[s, :count] = block_ids[offset:offset + count]
-        offset += count
-    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    q = torch.randn((len(context_lens), num_heads, head_dim), generator=generator).to(dtype)
-    tensors = (q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32))
-    return tuple(t.to(device) for t in tensors)
 
 
 def check_case(context_lens, shape, dtype, num_splits, device) -> str | None:

@@ -1,0 +1,47 @@
+"""Random paged-KV decode inputs and the float64 reference both decode kernels are tested against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK_SIZE = 16
+
+
+def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Gather each sequence's K/V through its block table; softmax in float64."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for s in range(num_seqs):
+        positions = torch.arange(int(context_lens[s]), device=q.device)
+        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
+        keys = flat_k[slots].repeat_interleave(group, dim=1)  # [len, num_heads, head_dim]
+        values = flat_v[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
+        out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", pad=0):
+    """Random q and caches, each sequence's blocks scattered over a shuffled pool; block tables
+    padded with `pad` past each sequence's blocks (a kernel must never read the padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_tables = torch.full((len(context_lens), max(blocks_per_seq) + 1), pad, dtype=torch.int32)
+    offset = 0
+    for s, count in enumerate(blocks_per_seq):
+        block_tables[s, :count] = block_ids[offset:offset + count]
+        offset += count
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    q = torch.randn((len(context_lens), num_heads, head_dim), generator=generator).to(dtype)
+    tensors = (q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32))
+    return tuple(t.to(device) for t in tensors)
