@@ -243,6 +243,19 @@ def test_plan_predicts_the_run_counters(tmp_path, model_dir):
     assert report.run_order_ids == ["10", "11", "12", "0", "1", "2", "3", "4", "5", "6"]
 
 
+def test_plan_and_run_agree_on_prompts_too_long_for_the_model(tmp_path, model_dir):
+    too_long = words(*[10 + i % 400 for i in range(2100)])
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{SHARED} w30"}, {"prompt": too_long}, {"prompt": f"{SHARED} w31"}])
+    config = load_job(write_job(tmp_path, model_dir, {"path": "in.jsonl", "apply_chat_template": False}))
+    report = plan_job(config)
+    assert (report.num_requests, report.num_bad_rows) == (2, 1)
+    assert report.bad_row_errors == ["row 1: prompt has 2100 tokens; the limit is 2047"]
+    summary = run_job(config, use_tqdm=False)
+    assert summary.num_rows_failed == 1
+    assert report.num_tokens_to_prefill == summary.num_computed_prompt_tokens
+    assert "2100 tokens" in read_output(config.output.path)[1]["error"]
+
+
 def test_plan_report_lists_bad_rows_and_prints_text_and_json(tmp_path, model_dir):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": words(10, 11)}, {"prompt": None}, {"prompt": words(10, 11, 12)}])
     report = plan_job(load_job(write_job(tmp_path, model_dir, {"path": "in.jsonl", "apply_chat_template": False})))
