@@ -47,9 +47,10 @@ _STATUS_MESSAGES = {
     2: "a block table entry is outside [0, num_blocks)",
     3: "this dtype is not supported by the compiled kernel",
     4: "the kernel could not allocate its scratch memory",
+    5: "a shared-prefix group is out of range, overlaps another, or is not shorter than a member's context",
 }
 _ARGTYPES = (
-    [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
+    [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int]
 )
 
 
@@ -142,8 +143,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
+
+    ``groups``: optional int32 [num_groups, 3] rows (first, end, prefix_tokens): sequences
+    first..end-1 share their first ``prefix_tokens`` tokens in the same blocks (each shorter
+    than its context; groups disjoint). That prefix is then read once per group (cascade
+    attention); the result is the same attention.
 
     ``q``: [num_seqs, num_heads, head_dim], the token at position
     ``context_lens[s] - 1`` whose own K/V are already in the cache;
@@ -163,6 +170,10 @@ def paged_decode_attention(
         raise ValueError("this compiler build of the kernel has no float16 support")
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if groups is not None and (groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[1] != 3
+                               or not groups.is_contiguous()):
+        raise ValueError(f"groups must be a contiguous int32 [num_groups, 3] tensor, got {groups.dtype} "
+                         f"{tuple(groups.shape)}")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
@@ -171,7 +182,8 @@ def paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads(), 0 if groups is None else groups.data_ptr(),
+        0 if groups is None else groups.shape[0],
     )
     if status != 0:
         raise ValueError(f"paged_decode_attention: {_STATUS_MESSAGES.get(status, f'status {status}')}")

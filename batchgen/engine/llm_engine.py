@@ -97,7 +97,7 @@ class LLMEngine:
         return finished
 
     def _run_step(self) -> None:
-        scheduled = sorted(self.scheduler.schedule(), key=lambda item: item.num_new_tokens != 1)
+        scheduled = sorted(self.scheduler.schedule(), key=decode_first_by_block_table)
         if not scheduled:
             raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting sequence")
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
@@ -175,6 +175,13 @@ class LLMEngine:
             request.completions.sort(key=lambda c: c.index)
             self._finished.append(RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids,
                                                 request.completions))
+
+
+def decode_first_by_block_table(item: ScheduledSeq):
+    """Sort key of a step: one-token rows first, ordered by block table so that rows sharing
+    prefix blocks are adjacent (the attention reads a shared prefix once per run)."""
+    is_decode = item.num_new_tokens == 1
+    return (not is_decode, item.seq.block_table if is_decode else [])
 
 
 def error_output(request_id: int, prompt, prompt_token_ids: list[int], n: int, message: str,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.attention import AttentionMetadata, AttentionStep, make_backend, register
+from batchgen.engine.attention import (AttentionMetadata, AttentionStep, make_backend, register,
+                                       shared_prefix_groups)
 from batchgen.engine.scheduler import ScheduledSeq
 
 
@@ -55,7 +56,7 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling sequences, vocab] in `scheduled` order.
 
-        `scheduled` must list one-token sequences first (see AttentionMetadata).
+        `scheduled` must list one-token sequences first, sorted by block table (see AttentionMetadata).
         """
         self._copy_blocks(block_copies)
         input_ids, positions, metadata, sample_index = self._prepare(scheduled)
@@ -112,5 +113,9 @@ class ModelRunner:
             num_decode_seqs=num_decode,
             block_size=self.block_size,
         )
+        if self.backend.shares_prefixes:
+            groups = shared_prefix_groups(block_tables, context_lens, num_decode, self.block_size)
+            if groups:
+                metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
         return (torch.tensor(token_ids, device=device), positions.to(device), metadata,
                 torch.tensor(sample_index, dtype=torch.long, device=device))

@@ -13,6 +13,14 @@
  *
  * Work is split over (sequence, kv head) pairs. A pair handles every query
  * head of its group at once, so each K and V row is read from memory once.
+ *
+ * Shared prefixes (cascade attention): `groups` lists runs of consecutive
+ * sequences [first, end) whose first `prefix` tokens are the same blocks.
+ * Phase 1 reads each group's prefix once per kv head for the queries of all
+ * its sequences and keeps the online-softmax state (max, sum, accumulator)
+ * of every query; phase 2 starts each sequence from that state and reads
+ * only its own tokens. The result is the same attention, with the prefix's
+ * K and V read once per group instead of once per sequence.
  * Math is float32 with an online softmax: scores are computed for a chunk of
  * tokens, then the running max, running sum and accumulators are updated
  * once per chunk. Every output element is written, or an error is returned.
@@ -28,7 +36,8 @@ enum {
     STATUS_BAD_CONTEXT_LEN = 1,
     STATUS_BAD_BLOCK_ID = 2,
     STATUS_BAD_DTYPE = 3,
-    STATUS_NO_MEMORY = 4
+    STATUS_NO_MEMORY = 4,
+    STATUS_BAD_GROUP = 5
 };
 
 #define CHUNK_TOKENS 64
@@ -45,16 +54,25 @@ typedef struct {
     int num_seqs, num_heads, num_kv_heads, head_dim;
     int num_blocks, block_size, max_blocks, dtype;
     float scale;
+    const int32_t *groups; /* [num_groups, 3]: first row, end row, shared prefix tokens */
+    int num_groups;
+    int32_t *prefix_of_seq;  /* [num_seqs] shared prefix tokens of each sequence (0: none) */
+    float *state;            /* [num_seqs, num_heads, head_dim + 2]: prefix softmax state */
 } Problem;
 
+/* Online-softmax state of one query head: running max, running sum, accumulator. */
 typedef struct {
-    float *q;       /* [group, head_dim], pre-scaled */
-    float *acc;     /* [group, head_dim] */
-    float *scores;  /* [group, CHUNK_TOKENS], probabilities after update */
+    float *max, *sum, *acc;
+} HeadState;
+
+typedef struct {
+    float *q;       /* [queries, head_dim], pre-scaled */
+    float *acc;     /* [queries, head_dim] */
+    float *scores;  /* [queries, CHUNK_TOKENS], probabilities after update */
     float *row;     /* [head_dim] converted query row */
     float *converted; /* [CHUNK_TOKENS, head_dim] K or V rows converted to float */
-    float *max;     /* [group] running max */
-    float *sum;     /* [group] running sum of exp */
+    float *max;     /* [queries] running max */
+    float *sum;     /* [queries] running sum of exp */
     int64_t slots[CHUNK_TOKENS];
     const float *rows[CHUNK_TOKENS]; /* float32 K or V rows of the chunk */
 } Scratch;
@@ -198,44 +216,117 @@ static void accumulate_values(int d, int group, int n, Scratch *s) {
     }
 }
 
+/* Load query head `head` of sequence `seq`, pre-scaled, into query slot `slot` of the scratch. */
+static void load_query(const Problem *p, int seq, int head, int slot, Scratch *s) {
+    int d = p->head_dim;
+    size_t row_bytes = (size_t)d * element_size(p->dtype);
+    const void *src = (const char *)p->q + ((int64_t)seq * p->num_heads + head) * row_bytes;
+    const float *q = as_float(src, s->row, d, p->dtype);
+    for (int i = 0; i < d; i++) s->q[(size_t)slot * d + i] = q[i] * p->scale;
+}
+
+/* The saved prefix state of query head `head` of sequence `seq`. */
+static HeadState prefix_state(const Problem *p, int seq, int head) {
+    float *base = p->state + ((int64_t)seq * p->num_heads + head) * (p->head_dim + 2);
+    HeadState state = {base, base + 1, base + 2};
+    return state;
+}
+
+/* Attend the `num_queries` loaded queries to positions [start, end) of `table` for `kv_head`,
+ * updating their online-softmax state in the scratch. */
+static int attend_range(const Problem *p, const int32_t *table, int start, int end, int kv_head,
+                        int num_queries, Scratch *s) {
+    int d = p->head_dim;
+    for (int pos = start; pos < end; pos += CHUNK_TOKENS) {
+        int n = end - pos < CHUNK_TOKENS ? end - pos : CHUNK_TOKENS;
+        if (!resolve_slots(p, table, pos, n, s)) return STATUS_BAD_BLOCK_ID;
+        load_rows(p, p->k_cache, kv_head, n, s);
+        score_chunk(d, num_queries, n, s);
+        update_softmax(d, num_queries, n, s);
+        load_rows(p, p->v_cache, kv_head, n, s);
+        accumulate_values(d, num_queries, n, s);
+    }
+    return STATUS_OK;
+}
+
+static void reset_state(int d, int num_queries, Scratch *s) {
+    for (int g = 0; g < num_queries; g++) {
+        s->max[g] = -INFINITY;
+        s->sum[g] = 0.0f;
+    }
+    memset(s->acc, 0, sizeof(float) * (size_t)num_queries * d);
+}
+
+/* Phase 1: the shared prefix of group `index`, once for the queries of all its sequences. */
+static int attend_group_prefix(const Problem *p, int index, int kv_head, Scratch *s) {
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    int first = p->groups[3 * index], end = p->groups[3 * index + 1], prefix = p->groups[3 * index + 2];
+    int num_queries = (end - first) * group;
+    for (int seq = first; seq < end; seq++)
+        for (int g = 0; g < group; g++) load_query(p, seq, kv_head * group + g, (seq - first) * group + g, s);
+    reset_state(d, num_queries, s);
+    int code = attend_range(p, p->block_tables + (int64_t)first * p->max_blocks, 0, prefix, kv_head, num_queries, s);
+    for (int slot = 0; slot < num_queries; slot++) {
+        HeadState state = prefix_state(p, first + slot / group, kv_head * group + slot % group);
+        *state.max = s->max[slot];
+        *state.sum = s->sum[slot];
+        memcpy(state.acc, s->acc + (size_t)slot * d, sizeof(float) * d);
+    }
+    return code;
+}
+
+/* Phase 2: a sequence's own tokens, starting from its prefix state when it has one. */
 static int attend_pair(const Problem *p, int seq, int kv_head, Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int64_t first_head = (int64_t)seq * p->num_heads + (int64_t)kv_head * group;
-    size_t row_bytes = (size_t)d * element_size(p->dtype);
+    int prefix = p->prefix_of_seq ? p->prefix_of_seq[seq] : 0;
+    reset_state(d, group, s);
     for (int g = 0; g < group; g++) {
-        const float *q = as_float((const char *)p->q + (first_head + g) * row_bytes, s->row, d, p->dtype);
-        for (int i = 0; i < d; i++) s->q[g * d + i] = q[i] * p->scale;
-        s->max[g] = -INFINITY;
-        s->sum[g] = 0.0f;
+        load_query(p, seq, kv_head * group + g, g, s);
+        if (prefix > 0) {
+            HeadState state = prefix_state(p, seq, kv_head * group + g);
+            s->max[g] = *state.max;
+            s->sum[g] = *state.sum;
+            memcpy(s->acc + (size_t)g * d, state.acc, sizeof(float) * d);
+        }
     }
-    memset(s->acc, 0, sizeof(float) * (size_t)group * d);
-    for (int start = 0; start < context_len; start += CHUNK_TOKENS) {
-        int n = context_len - start < CHUNK_TOKENS ? context_len - start : CHUNK_TOKENS;
-        if (!resolve_slots(p, table, start, n, s)) return STATUS_BAD_BLOCK_ID;
-        load_rows(p, p->k_cache, kv_head, n, s);
-        score_chunk(d, group, n, s);
-        update_softmax(d, group, n, s);
-        load_rows(p, p->v_cache, kv_head, n, s);
-        accumulate_values(d, group, n, s);
-    }
+    int code = attend_range(p, table, prefix, context_len, kv_head, group, s);
+    if (code != STATUS_OK) return code;
+    size_t row_bytes = (size_t)d * element_size(p->dtype);
+    int64_t first_head = (int64_t)seq * p->num_heads + (int64_t)kv_head * group;
     for (int g = 0; g < group; g++)
         store_row((char *)p->out + (first_head + g) * row_bytes, s->acc + g * d, 1.0f / s->sum[g], d, p->dtype);
     return STATUS_OK;
 }
 
-static float *alloc_scratch(Scratch *s, int group, int d) {
-    size_t floats = (size_t)group * (2 * d + CHUNK_TOKENS + 2) + (size_t)(CHUNK_TOKENS + 1) * d;
+/* Check the groups and record each member's prefix length; returns the largest group size. */
+static int index_groups(Problem *p, int *status) {
+    int largest = 1;
+    for (int index = 0; index < p->num_groups; index++) {
+        int first = p->groups[3 * index], end = p->groups[3 * index + 1], prefix = p->groups[3 * index + 2];
+        if (first < 0 || end > p->num_seqs || first >= end || prefix < 0) *status = STATUS_BAD_GROUP;
+        for (int seq = first; seq < end && *status == STATUS_OK; seq++) {
+            if (prefix >= p->context_lens[seq] || p->prefix_of_seq[seq] != 0) *status = STATUS_BAD_GROUP;
+            p->prefix_of_seq[seq] = prefix;
+        }
+        if (*status != STATUS_OK) return largest;
+        largest = end - first > largest ? end - first : largest;
+    }
+    return largest;
+}
+
+static float *alloc_scratch(Scratch *s, int num_queries, int d) {
+    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 2) + (size_t)(CHUNK_TOKENS + 1) * d;
     float *base = (float *)malloc(sizeof(float) * floats);
     if (base == NULL) return NULL;
     s->q = base;
-    s->acc = s->q + (size_t)group * d;
-    s->scores = s->acc + (size_t)group * d;
-    s->max = s->scores + (size_t)group * CHUNK_TOKENS;
-    s->sum = s->max + group;
-    s->row = s->sum + group;
+    s->acc = s->q + (size_t)num_queries * d;
+    s->scores = s->acc + (size_t)num_queries * d;
+    s->max = s->scores + (size_t)num_queries * CHUNK_TOKENS;
+    s->sum = s->max + num_queries;
+    s->row = s->sum + num_queries;
     s->converted = s->row + d;
     return base;
 }
@@ -245,36 +336,56 @@ static float *alloc_scratch(Scratch *s, int group, int d) {
 int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                               const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                               int num_heads, int num_kv_heads, int head_dim, int num_blocks,
-                              int block_size, int max_blocks, float scale, int dtype, int num_threads) {
+                              int block_size, int max_blocks, float scale, int dtype, int num_threads,
+                              const int32_t *groups, int num_groups) {
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return STATUS_BAD_DTYPE;
 #endif
     if (dtype < DTYPE_F32 || dtype > DTYPE_F16) return STATUS_BAD_DTYPE;
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale};
-    int num_pairs = num_seqs * num_kv_heads, status = STATUS_OK;
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale,
+                 groups, num_groups, NULL, NULL};
+    int status = STATUS_OK, largest_group = 1;
+    if (num_groups > 0) {
+        p.prefix_of_seq = (int32_t *)calloc((size_t)num_seqs, sizeof(int32_t));
+        p.state = (float *)malloc(sizeof(float) * (size_t)num_seqs * num_heads * (head_dim + 2));
+        if (p.prefix_of_seq == NULL || p.state == NULL) status = STATUS_NO_MEMORY;
+        else largest_group = index_groups(&p, &status);
+    }
     int64_t work = 0;
     for (int seq = 0; seq < num_seqs; seq++) work += (int64_t)context_lens[seq] * num_kv_heads;
-    int is_parallel = num_threads > 1 && num_pairs > 1 && work >= MIN_PARALLEL_WORK;
+    int is_parallel = num_threads > 1 && num_seqs * num_kv_heads > 1 && work >= MIN_PARALLEL_WORK;
+    if (status == STATUS_OK) {
 #pragma omp parallel num_threads(num_threads) if (is_parallel)
-    {
-        Scratch s = {0};
-        float *base = alloc_scratch(&s, num_heads / num_kv_heads, head_dim);
-        if (base == NULL) {
+        {
+            Scratch s = {0};
+            float *base = alloc_scratch(&s, largest_group * (num_heads / num_kv_heads), head_dim);
+            if (base == NULL) {
 #pragma omp atomic write
-            status = STATUS_NO_MEMORY;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int pair = 0; pair < num_pairs; pair++) {
-            if (base == NULL) continue;
-            int code = attend_pair(&p, pair / num_kv_heads, pair % num_kv_heads, &s);
-            if (code != STATUS_OK) {
-#pragma omp atomic write
-                status = code;
+                status = STATUS_NO_MEMORY;
             }
+            /* Phase 1, then (after the loop's barrier) phase 2. */
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < num_groups * num_kv_heads; item++) {
+                int code = base ? attend_group_prefix(&p, item / num_kv_heads, item % num_kv_heads, &s) : STATUS_OK;
+                if (code != STATUS_OK) {
+#pragma omp atomic write
+                    status = code;
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < num_seqs * num_kv_heads; item++) {
+                int code = base ? attend_pair(&p, item / num_kv_heads, item % num_kv_heads, &s) : STATUS_OK;
+                if (code != STATUS_OK) {
+#pragma omp atomic write
+                    status = code;
+                }
+            }
+            free(base);
         }
-        free(base);
     }
+    free(p.prefix_of_seq);
+    free(p.state);
     return status;
 }
 
