@@ -46,8 +46,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order."""
-        outputs = sorted(self.iter_generate(prompts, sampling_params, use_tqdm), key=lambda o: o.request_id)
-        return outputs
+        return sorted(self.iter_generate(prompts, sampling_params, use_tqdm), key=lambda o: o.request_id)
 
     def iter_generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       use_tqdm: bool = True) -> Iterator[RequestOutput]:
@@ -59,6 +58,7 @@ class LLM:
         prompts = normalize_prompts(prompts)
         params_list = normalize_params(sampling_params, len(prompts))
         arrival_time = time.time()
+        counters_before = dict(self.engine.stats)
         tree = RadixTree(self.config.block_size)
         encoded: dict[int, list[int]] = {}
         for request_id, prompt in enumerate(prompts):
@@ -72,28 +72,29 @@ class LLM:
         for request_id in tree.order():
             self.engine.add_request(request_id, _text_of(prompts[request_id]), encoded[request_id],
                                     params_list[request_id], arrival_time)
-        yield from self._run(len(encoded), use_tqdm)
+        yield from self._run(len(encoded), use_tqdm, counters_before)
 
-    def _run(self, num_requests: int, use_tqdm: bool) -> Iterator[RequestOutput]:
-        stats = self.engine.stats
-        start_time, start_output_tokens = time.time(), stats["num_output_tokens"]
-        start_prompt, start_cached = stats["num_prompt_tokens"] - 0, stats["num_cached_prompt_tokens"]
+    def _run(self, num_requests: int, use_tqdm: bool, counters_before: dict) -> Iterator[RequestOutput]:
+        """Step the engine until it is empty; the bar shows output tok/s and the prefix-cache hit
+        rate of this call (counters since `counters_before`)."""
+        start_time = time.time()
         with tqdm(total=num_requests, desc="requests", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished():
                 finished = self.engine.step()
                 if finished:
                     bar.update(len(finished))
-                    elapsed = max(time.time() - start_time, 1e-9)
-                    num_out = stats["num_output_tokens"] - start_output_tokens
-                    bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s, "
-                                        f"prefix hit {hit_rate(stats, start_prompt, start_cached):.1%}")
+                    bar.set_postfix_str(progress_text(self.engine.stats, counters_before, time.time() - start_time))
                 yield from finished
 
 
-def hit_rate(stats: dict, start_prompt: int, start_cached: int) -> float:
-    """Share of prompt tokens served from the prefix cache since the given counter values."""
-    num_prompt = stats["num_prompt_tokens"] - start_prompt
-    return (stats["num_cached_prompt_tokens"] - start_cached) / num_prompt if num_prompt else 0.0
+def progress_text(stats: dict, before: dict, elapsed_s: float) -> str:
+    """Output tokens/s and the share of prompt tokens served from the prefix cache, since `before`."""
+    def since(key):
+        return stats[key] - before[key]
+
+    num_prompt = since("num_prompt_tokens")
+    hit_rate = since("num_cached_prompt_tokens") / num_prompt if num_prompt else 0.0
+    return f"out {since('num_output_tokens') / max(elapsed_s, 1e-9):.1f} tok/s, prefix hit {hit_rate:.1%}"
 
 
 def normalize_prompts(prompts) -> list:

@@ -249,9 +249,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", default="cpu", choices=sorted(SIZES))
     parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
     parser.add_argument("--out", default="results.json")
+    parser.add_argument("--padded-batch-sizes", default="8,32",
+                        help="batch sizes of hf-generate-padded (the best one counts)")
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
+    args.padded_batch_sizes = tuple(int(size) for size in args.padded_batch_sizes.split(",") if size)
     args.systems = [s for s in args.systems.split(",") if s and not (args.skip_slow_baselines and s in SLOW_BASELINES)]
     unknown = [w for w in args.workloads if w not in WORKLOAD_NAMES]
     if unknown:
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(s.startswith("batchgen") for s in args.systems):
         hf_model = load_bench_model(args.model, args.device, args.dtype)[0]
     systems = make_systems(args.systems, hf_model, model, tokenizer, kv_cache_bytes, BLOCK_SIZE,
-                           MAX_BATCH_TOKENS)
+                           MAX_BATCH_TOKENS, args.padded_batch_sizes)
     vocab_size, low = model.config.get_text_config().vocab_size, lowest_plain_token_id(tokenizer)
     rows = []
     for name in args.workloads:

@@ -204,15 +204,15 @@ SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", "ba
 
 
 def make_systems(names: list[str], hf_model, batchgen_model, tokenizer, kv_cache_bytes: int,
-                 block_size: int, max_batch_tokens: int) -> list:
-    """The named systems, in the order given; "hf-generate-padded" is batch 8 and batch 32."""
+                 block_size: int, max_batch_tokens: int, padded_batch_sizes: tuple[int, ...] = (8, 32)) -> list:
+    """The named systems, in the order given; "hf-generate-padded" is one system per padded batch size."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     systems = []
     for name in names:
         if name == "hf-generate-b1":
             systems.append(HFGenerate(hf_model, pad_token_id, 1))
         elif name == "hf-generate-padded":
-            systems += [HFGenerate(hf_model, pad_token_id, 8), HFGenerate(hf_model, pad_token_id, 32)]
+            systems += [HFGenerate(hf_model, pad_token_id, size) for size in padded_batch_sizes]
         elif name == "hf-generate-batch":
             systems.append(HFGenerateBatch(hf_model, kv_cache_bytes, max_batch_tokens))
         elif name in ("batchgen", "batchgen-nocache"):

@@ -203,3 +203,12 @@ def test_metrics_are_consistent():
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
         assert m.num_output_tokens == 8 and len(m.inter_token_latencies) == 7
         assert m.num_prompt_tokens == len(output.prompt_token_ids)
+
+
+def test_progress_bar_reports_throughput_and_hit_rate_of_the_call(capsys):
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    prefix = list(range(100, 164))
+    llm.generate([prefix + [5], prefix + [6]], greedy(2), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "2/2" in err and "tok/s" in err
+    assert "prefix hit 49.2%" in err  # 64 of 130 prompt tokens: the second request reuses 4 blocks
