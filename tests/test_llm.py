@@ -85,8 +85,11 @@ def test_n_samples_share_the_prompt(prompt_len):
     prompt = list(range(3, 3 + prompt_len))
     llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
     params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    llm.generate([prompt[:20] + [500]], greedy(1), use_tqdm=False)  # caches the first block
     [output] = llm.generate([prompt], params, use_tqdm=False)
-    assert llm.engine.stats["num_computed_prompt_tokens"] == prompt_len
+    assert llm.engine.stats["num_computed_prompt_tokens"] == 21 + prompt_len - 16
+    assert llm.engine.stats["num_cached_prompt_tokens"] == 16
+    assert all(c.metrics.num_cached_tokens == 16 for c in output.outputs)
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in output.outputs}) == 4
     assert all(len(c.token_ids) == 12 for c in output.outputs)

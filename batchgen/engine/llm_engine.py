@@ -153,7 +153,8 @@ class LLMEngine:
         metrics = seq.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-            self.stats["num_cached_prompt_tokens"] += metrics.num_cached_tokens
+            if seq.sample_index == 0:  # forked samples share this prompt: count it once
+                self.stats["num_cached_prompt_tokens"] += metrics.num_cached_tokens
         else:
             metrics.inter_token_latencies.append(now - seq.last_token_time)
         seq.last_token_time = now
