@@ -84,9 +84,11 @@ class BlockManager:
         """Computed cached blocks `seq` can reuse (at most `(len(seq) - 1) // block_size`)."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], False)
+        max_blocks = (len(seq) - 1) // self.block_size
+        hashes = self._hashes(seq, max_blocks)
         block_ids: list[int] = []
-        for index, block_hash in enumerate(self._hashes(seq, (len(seq) - 1) // self.block_size)):
-            block = self._lookup(block_hash, self._block_tokens(seq, index))
+        for index in range(max_blocks):
+            block = self._lookup(hashes[index], self._block_tokens(seq, index))
             if block is None:
                 break
             if not block.is_computed:
@@ -106,12 +108,13 @@ class BlockManager:
         return tuple(seq.token_ids[start : start + self.block_size])
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
-        """Chained hashes of the first `num_blocks` full blocks of `seq` (memoised per sequence)."""
+        """The memoised chained hashes of `seq`'s full blocks, at least its first `num_blocks`
+        (the list may be longer; callers index only what they need)."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         while len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(hash_block(parent, list(self._block_tokens(seq, len(hashes)))))
-        return hashes[:num_blocks]
+        return hashes
 
     # ---- allocation protocol: can_allocate / allocate / can_append / append / free -----------
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -139,9 +142,10 @@ class BlockManager:
         start = len(seq.block_table)
         for _ in range(self.num_blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching:
-            hashes = self._hashes(seq, (len(seq) - 1) // self.block_size)
-            for index in range(start, min(len(seq.block_table), len(hashes))):
+        max_blocks = (len(seq) - 1) // self.block_size
+        if self.enable_prefix_caching and start < min(len(seq.block_table), max_blocks):
+            hashes = self._hashes(seq, max_blocks)
+            for index in range(start, min(len(seq.block_table), max_blocks)):
                 self._register(seq.block_table[index], hashes[index], self._block_tokens(seq, index))
 
     def mark_computed(self, seq: Sequence) -> None:
