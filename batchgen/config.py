@@ -69,6 +69,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _key(2048, int_at_least(1))
     enable_prefix_caching: bool = _key(True, true_or_false)
     attention_backend: str = _key("auto", one_of("auto", "native", "reference"))
+    pack_linear_weights: bool = _key(True, true_or_false)
 
 
 @dataclass

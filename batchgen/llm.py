@@ -29,9 +29,9 @@ class LLM:
     def __init__(self, model=None, *, tokenizer=None, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_memory: int | str | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto"):
-        self.config = EngineConfig(dtype, device, block_size, kv_cache_memory, max_num_seqs,
-                                   max_num_batched_tokens, enable_prefix_caching, attention_backend)
+                 attention_backend: str = "auto", pack_linear_weights: bool = True):
+        self.config = EngineConfig(dtype, device, block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+                                   enable_prefix_caching, attention_backend, pack_linear_weights)
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("an already loaded model needs its tokenizer: LLM(model, tokenizer=...)")

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         workload = build_workload(name, args.size, vocab_size, low)
         rows += bench_workload(workload, systems, args.repeats, device)
         report = save_report(args, device, kv_cache_bytes, rows)  # after each workload: a cut-off run keeps its rows
-    print(f"\n{markdown_table(rows)}\n\n{ratios_table(report['ratios'])}\n")
+        print(f"\n{markdown_table(rows)}\n\n{ratios_table(report['ratios'])}\n", flush=True)
     return report
 
 

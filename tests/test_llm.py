@@ -31,11 +31,13 @@ def run_workload(llm: LLM, workload):
     return llm.generate(prompts, [greedy(max_tokens) for _, max_tokens in workload], use_tqdm=False)
 
 
-@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize(("backend", "pack"), [("native", True), ("native", False), ("reference", False)])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_equals_transformers_generate(family, backend):
+def test_greedy_equals_transformers_generate(family, backend, pack):
     model, workload, expected = model_and_oracle(family)
-    llm = LLM(model, tokenizer=tiny_tokenizer(), attention_backend=backend, max_num_batched_tokens=256)
+    llm = LLM(model, tokenizer=tiny_tokenizer(), attention_backend=backend, max_num_batched_tokens=256,
+              pack_linear_weights=pack)
+    assert (llm.engine.runner.linears is not None) == pack
     outputs = run_workload(llm, workload)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
@@ -196,6 +198,13 @@ def test_bad_inputs_become_error_outputs_and_the_rest_completes():
 def test_invalid_sampling_params_raise_value_error(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("max_num_seqs", 0), ("block_size", 1.5), ("kv_cache_memory", "lots"),
+                                          ("pack_linear_weights", "yes")])
+def test_invalid_engine_knobs_raise_value_error_before_loading(field, value):
+    with pytest.raises(ValueError, match=field):
+        LLM("no/such-model", **{field: value})
 
 
 def test_metrics_are_consistent():

@@ -41,7 +41,7 @@ def test_cpu_sizes_match_the_issue():
     assert plan_stats(shared, 16).num_tokens_to_prefill == 4 * 1024 + 64 * 64
     samples = build_workload("n-samples", "cpu", 49152, 17)
     assert samples.n * len(samples.prompt_ids) == 128 and not samples.is_greedy
-    assert SIZES["gpu"].num(16) == 256
+    assert SIZES["gpu"].num(16) == 128 and SIZES["gpu"].length(2048) == 2048
 
 
 def test_bench_tiny_runs_systems_and_checks_tokens(tmp_path, one_thread):

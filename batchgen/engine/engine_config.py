@@ -28,6 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    pack_linear_weights: bool = True
 
     def __post_init__(self):
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -37,3 +38,5 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if not isinstance(self.pack_linear_weights, bool):
+            raise ValueError(f"pack_linear_weights must be true or false, got {self.pack_linear_weights!r}")

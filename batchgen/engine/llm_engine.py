@@ -45,7 +45,8 @@ class LLMEngine:
         self.config = config
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend,
+                                  config.pack_linear_weights)
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = min(max_context_len(text_config), num_blocks * config.block_size)
@@ -110,7 +111,9 @@ class LLMEngine:
                 rows.append(SamplingRow(member.params, member.token_ids, member.num_output_tokens, member.generator))
                 seqs.append(member)
                 logit_rows.append(row)
-        tokens = sample(logits[logit_rows], rows, self.stop_checker.eos_token_ids)
+        if logit_rows != list(range(logits.shape[0])):  # n > 1 forks: repeat their rows (a copy of the logits)
+            logits = logits[logit_rows]
+        tokens = sample(logits, rows, self.stop_checker.eos_token_ids)
         now = time.time()
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token, now)

@@ -10,12 +10,15 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.attention import (AttentionMetadata, AttentionStep, make_backend, register,
                                        shared_prefix_groups)
+from batchgen.engine.cpu_linear import PackedLinears
 from batchgen.engine.scheduler import ScheduledSeq
 
 
@@ -41,7 +44,8 @@ class KVCacheSpec:
 class ModelRunner:
     """Owns the model and the paged K/V pool."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, backend: str = "auto"):
+    def __init__(self, model, num_blocks: int, block_size: int, backend: str = "auto",
+                 pack_linear_weights: bool = True):
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -51,6 +55,7 @@ class ModelRunner:
         self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         self.backend = make_backend(backend, self.device)
         model.set_attn_implementation(register())
+        self.linears = PackedLinears.pack(model) if pack_linear_weights else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -61,13 +66,14 @@ class ModelRunner:
         self._copy_blocks(block_copies)
         input_ids, positions, metadata, sample_index = self._prepare(scheduled)
         step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
-        output = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=sample_index,
-            batchgen_step=step,
-        )
+        with self.linears or contextlib.nullcontext():
+            output = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=sample_index,
+                batchgen_step=step,
+            )
         return output.logits[0].float()
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
