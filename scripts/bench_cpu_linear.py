@@ -6,7 +6,7 @@ timed call walks all 30 layers' worth of distinct weight copies, so weights come
 as in a real step, not from cache. Prints median ms per layer (lm_head separately) and the
 ratio, and the largest relative difference between the two results.
 
-    python scripts/bench_cpu_linear.py [--repeats 10] [--rows 1,8,32,128,2048]
+    python scripts/bench_cpu_linear.py [--repeats 10] [--rows 1,8,32,128,2048] [--layers 30]
 """
 
 from __future__ import annotations
@@ -57,19 +57,20 @@ def compare(name: str, linears: torch.nn.ModuleList, num_rows: int, repeats: int
     print(f"{name:<10}{num_rows:>6}{torch_ms:>12.3f}{packed_ms:>12.3f}{torch_ms / packed_ms:>9.2f}x{diff:>12.1e}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rows", default="1,8,32,128,2048")
-    options = parser.parse_args()
+    parser.add_argument("--layers", type=int, default=NUM_LAYERS, help="distinct weight copies walked per call")
+    options = parser.parse_args(argv)
     if PackedLinears.pack(make_layers(LAYER_SHAPES, 1)) is None:
         raise SystemExit("oneDNN cannot pack float32 linear weights on this machine")
     print(f"threads={torch.get_num_threads()} float32; ms per layer (7 products) and per lm_head")
     print(f"{'weights':<10}{'rows':>6}{'torch ms':>12}{'packed ms':>12}{'speedup':>10}{'rel diff':>12}")
-    body, lm_head = make_layers(LAYER_SHAPES, NUM_LAYERS), make_layers([(VOCAB, HIDDEN)], 1)
+    body, lm_head = make_layers(LAYER_SHAPES, options.layers), make_layers([(VOCAB, HIDDEN)], 1)
     with torch.inference_mode():
         for num_rows in (int(r) for r in options.rows.split(",")):
-            compare("layer", body, num_rows, options.repeats, NUM_LAYERS)
+            compare("layer", body, num_rows, options.repeats, options.layers)
             compare("lm_head", lm_head, num_rows, options.repeats, 1)
 
 

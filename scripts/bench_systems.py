@@ -66,7 +66,8 @@ class HFGenerate:
         start = time.perf_counter()
         for first in range(0, len(order), self.batch_size):
             batch = order[first:first + self.batch_size]
-            num_computed += len(batch) * max(len(workload.prompt_ids[i]) for i in batch)
+            # padded to the longest prompt, and each prompt repeated n times before the prefill
+            num_computed += len(batch) * workload.n * max(len(workload.prompt_ids[i]) for i in batch)
             for i, samples in zip(batch, self._generate_batch(workload, batch)):
                 token_ids[i] = samples
         synchronize(self.model.device)

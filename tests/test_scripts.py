@@ -13,6 +13,8 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench  # noqa: E402
+import bench_cpu_attention  # noqa: E402
+import bench_cpu_linear  # noqa: E402
 import roofline  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
 
@@ -60,6 +62,9 @@ def test_bench_tiny_runs_systems_and_checks_tokens(tmp_path, one_thread):
     for system in ("hf-generate-b1", "hf-generate-padded-8", "hf-generate-padded-32", "batchgen-nocache"):
         assert rows["shared-system", system]["tokens"]["num_mismatched"] == 0
     assert rows["n-samples", "hf-generate-b1"]["tokens"] == "not compared (sampled)"
+    samples = rows["n-samples", "batchgen"]
+    assert samples["num_computed_prompt_tokens"] == samples["num_prompt_tokens"]  # once per prompt, not per sample
+    assert rows["n-samples", "hf-generate-b1"]["num_computed_prompt_tokens"] == 8 * samples["num_prompt_tokens"]
     assert rows["n-samples", "batchgen-nocache"]["tokens"]["num_mismatched"] == 0
 
 
@@ -81,3 +86,27 @@ def test_step_cost_counts_weights_kv_and_attention():
     assert flops == 2 * 1000 * 2 + 2 * 100 * 32 * 2 + 4 * 2 * 4 * 8 * 30
     _, prefill_flops = roofline.step_cost(shape, query_lens=[4], context_lens=[4])
     assert prefill_flops == 2 * 1000 * 4 + 2 * 100 * 32 + 4 * 2 * 4 * 8 * (4 + 3 + 2 + 1)
+
+
+def test_cpu_linear_bench_prints_both_paths(capsys):
+    bench_cpu_linear.main(["--repeats", "1", "--rows", "3", "--layers", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[-2:]] == [["layer", "3"], ["lm_head", "3"]]
+    assert all(float(line.split()[-1]) < 1e-4 for line in lines[-2:])  # relative difference of the results
+
+
+def test_cpu_attention_bench_compares_cascade_with_plain(capsys):
+    from batchgen.engine import cpu_attention
+    if not cpu_attention.is_available():
+        pytest.skip("no C compiler for the CPU kernel")
+    bench_cpu_attention.main(["--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "cascade ms" in out and float(out.splitlines()[-1].split()[-1]) < 1e-4
+
+
+def test_shared_prefix_inputs_share_exactly_the_prefix_blocks():
+    (q, _, _, block_tables, context_lens), groups = bench_cpu_attention.make_shared_prefix_inputs(2, 3, 32, 16)
+    assert q.shape[0] == 6 and context_lens.tolist() == [48] * 6 and groups.tolist() == [[0, 3, 32], [3, 6, 32]]
+    assert block_tables[:3, :2].unique(dim=0).shape[0] == 1 and block_tables[3:, :2].unique(dim=0).shape[0] == 1
+    assert not set(block_tables[:3, :2].flatten().tolist()) & set(block_tables[3:, :2].flatten().tolist())
+    assert len(set(block_tables[:, 2].tolist())) == 6
