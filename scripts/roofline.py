@@ -1,7 +1,7 @@
 """Roofline: batchgen's forward-step time next to what this machine's memory and arithmetic allow.
 
     python scripts/roofline.py                                  # CPU, float32, default model
-    python scripts/roofline.py --dtype bfloat16
+    python scripts/roofline.py --dtype bfloat16 --batches 32 --contexts 1024 --prefill-tokens 256
     python scripts/roofline.py --device cuda --dtype bfloat16 --model random-smollm2
 
 Measured first: memory bandwidth (a large tensor copy; bytes read + written per second) and
@@ -14,7 +14,9 @@ with bytes = weights read once + K/V read (the whole context of every sequence) 
 and FLOPs = 2 * matmul parameters * tokens + 2 * vocab * hidden per logits row + attention
 (4 * heads * head_dim per query-key pair and layer).
 
-The measured time is one `ModelRunner.execute` call (pack, forward, attention over the paged
+--batches, --contexts and --prefill-tokens replace the size's step shapes (a dtype without fast
+matmuls on this machine makes each step take seconds). The measured time is one
+`ModelRunner.execute` call (pack, forward, attention over the paged
 pool, logits) on sequences placed straight into the pool: K/V contents are whatever the pool
 holds, which changes no cost. Scheduling and sampling are not in it.
 """
@@ -26,7 +28,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +44,7 @@ from batchgen.engine.sequence import Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_TIMED = 5
+MAX_TIMED_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,8 @@ def placed_sequences(batch: int, context: int, num_new: int, vocab_size: int) ->
 
 
 def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> float:
-    """Median seconds of `ModelRunner.execute` for this step shape, on a pool just large enough."""
+    """Median seconds of `ModelRunner.execute` for this step shape, on a pool just large enough: up to
+    NUM_TIMED calls after a warm-up, fewer once they took MAX_TIMED_S together."""
     shape_bytes = KVCacheSpec.from_model(model).bytes_per_token
     num_tokens = batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE
     llm = LLM(model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_memory=num_tokens * shape_bytes,
@@ -164,7 +168,7 @@ def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> float
     runner, device = llm.engine.runner, llm.engine.runner.device
     runner.execute(scheduled, [])
     times = []
-    for _ in range(NUM_TIMED):
+    while len(times) < NUM_TIMED and sum(times) < MAX_TIMED_S:
         synchronize(device)
         start = time.perf_counter()
         runner.execute(scheduled, [])
@@ -210,14 +214,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
     parser.add_argument("--size", default=None, choices=sorted(SIZES),
                         help="probe and step sizes (default: the device's)")
+    parser.add_argument("--batches", default=None, help="comma-separated decode batch sizes")
+    parser.add_argument("--contexts", default=None, help="comma-separated decode context lengths")
+    parser.add_argument("--prefill-tokens", type=int, default=None, help="tokens of the prefill step")
     parser.add_argument("--out", default="roofline.json")
     return parser.parse_args(argv)
+
+
+def step_sizes(args: argparse.Namespace) -> Sizes:
+    """The size's probes and step shapes, with the shapes given on the command line."""
+    sizes = SIZES[args.size or args.device]
+    numbers = lambda text: tuple(int(n) for n in text.split(","))  # noqa: E731
+    return replace(sizes, batches=numbers(args.batches) if args.batches else sizes.batches,
+                   contexts=numbers(args.contexts) if args.contexts else sizes.contexts,
+                   prefill_tokens=args.prefill_tokens or sizes.prefill_tokens)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    sizes = SIZES[args.size or args.device]
+    sizes = step_sizes(args)
     bandwidth = measure_bandwidth(device, sizes.copy_bytes)
     matmul = {name: measure_matmul(device, dtype, sizes.gemm_n)
               for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}

@@ -15,6 +15,7 @@ sys.path.insert(0, str(SCRIPTS))
 import bench  # noqa: E402
 import bench_cpu_attention  # noqa: E402
 import bench_cpu_linear  # noqa: E402
+import bench_report  # noqa: E402
 import roofline  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
 
@@ -62,6 +63,8 @@ def test_bench_tiny_runs_systems_and_checks_tokens(tmp_path, one_thread):
     for system in ("hf-generate-b1", "hf-generate-padded-8", "hf-generate-padded-32", "batchgen-nocache"):
         assert rows["shared-system", system]["tokens"]["num_mismatched"] == 0
     assert rows["n-samples", "hf-generate-b1"]["tokens"] == "not compared (sampled)"
+    merged = bench_report.main([str(out), str(out)])
+    assert merged.count("| shared-system | batchgen |") == 2 and "machine: {" in merged
     samples = rows["n-samples", "batchgen"]
     assert samples["num_computed_prompt_tokens"] == samples["num_prompt_tokens"]  # once per prompt, not per sample
     assert rows["n-samples", "hf-generate-b1"]["num_computed_prompt_tokens"] == 8 * samples["num_prompt_tokens"]
@@ -76,6 +79,13 @@ def test_roofline_tiny_reports_bounds(tmp_path, one_thread):
     for row in report["rows"]:
         assert row["measured_s"] > 0 and row["bound_s"] == max(row["memory_bound_s"], row["compute_bound_s"])
     assert json.loads(out.read_text())["matmul_flops_per_s"].keys() == {"float32", "bfloat16"}
+
+
+def test_roofline_step_shapes_from_the_command_line(tmp_path, one_thread):
+    report = roofline.main(["--model", "random-tiny", "--size", "tiny", "--batches", "3", "--contexts", "48",
+                            "--prefill-tokens", "32", "--out", str(tmp_path / "r.json")])
+    shapes = [(r["kind"], r["batch"], r["context"]) for r in report["rows"]]
+    assert shapes == [("decode", 3, 48), ("prefill", 1, 32)]
 
 
 def test_step_cost_counts_weights_kv_and_attention():
