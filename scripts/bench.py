@@ -35,7 +35,6 @@ from bench_systems import SYSTEM_NAMES, make_systems  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
 
 BLOCK_SIZE = 16
-MAX_BATCH_TOKENS = 2048  # batchgen's default max_num_batched_tokens, also given to transformers' batching
 KV_CACHE_BYTES = {"cpu": 2 * 2**30, "gpu": 32 * 2**30, "tiny": 64 * 2**20}  # per size; the pool of each system
 WARMUP_REQUESTS, WARMUP_TOKENS = 2, 4
 SLOW_BASELINES = ("hf-generate-b1",)
@@ -251,6 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="results.json")
     parser.add_argument("--padded-batch-sizes", default="8,32",
                         help="batch sizes of hf-generate-padded (the best one counts)")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048,
+                        help="tokens per step of batchgen (its max_num_batched_tokens) and of generate_batch")
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(s.startswith("batchgen") for s in args.systems):
         hf_model = load_bench_model(args.model, args.device, args.dtype)[0]
     systems = make_systems(args.systems, hf_model, model, tokenizer, kv_cache_bytes, BLOCK_SIZE,
-                           MAX_BATCH_TOKENS, args.padded_batch_sizes)
+                           args.max_batch_tokens, args.padded_batch_sizes)
     vocab_size, low = model.config.get_text_config().vocab_size, lowest_plain_token_id(tokenizer)
     rows = []
     for name in args.workloads:

@@ -164,11 +164,12 @@ class Batchgen:
     Building it is not timed.
     """
 
-    def __init__(self, model, tokenizer, enable_prefix_caching: bool, kv_cache_bytes: int, block_size: int):
+    def __init__(self, model, tokenizer, enable_prefix_caching: bool, kv_cache_bytes: int, block_size: int,
+                 max_batch_tokens: int):
         self.name = "batchgen" if enable_prefix_caching else "batchgen-nocache"
         self.model, self.tokenizer = model, tokenizer
         self.options = dict(block_size=block_size, kv_cache_memory=kv_cache_bytes,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_batch_tokens)
 
     def run(self, workload: Workload) -> RunResult:
         llm = LLM(self.model, tokenizer=self.tokenizer, **self.options)
@@ -217,7 +218,8 @@ def make_systems(names: list[str], hf_model, batchgen_model, tokenizer, kv_cache
         elif name == "hf-generate-batch":
             systems.append(HFGenerateBatch(hf_model, kv_cache_bytes, max_batch_tokens))
         elif name in ("batchgen", "batchgen-nocache"):
-            systems.append(Batchgen(batchgen_model, tokenizer, name == "batchgen", kv_cache_bytes, block_size))
+            systems.append(Batchgen(batchgen_model, tokenizer, name == "batchgen", kv_cache_bytes, block_size,
+                                    max_batch_tokens))
         else:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")
     return systems
