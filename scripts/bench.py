@@ -123,19 +123,19 @@ def summarize(name: str, workload: Workload, runs: list[dict], plan) -> dict:
     results = [r["result"] for r in runs]
     walls = [r.wall_s for r in results]
     median = statistics.median(walls)
-    first = results[0]
+    typical = min(results, key=lambda r: abs(r.wall_s - median))  # latencies of the run nearest the median
     row |= {
         "wall_s": walls, "wall_median_s": median, "wall_min_s": min(walls),
         "output_tok_s": workload.num_output_tokens / median,
         "total_tok_s": (workload.num_output_tokens + workload.num_prompt_tokens) / median,
         "num_prompt_tokens": workload.num_prompt_tokens, "num_output_tokens": workload.num_output_tokens,
-        "num_computed_prompt_tokens": first.num_computed_prompt_tokens,
+        "num_computed_prompt_tokens": typical.num_computed_prompt_tokens,
         "plan_tokens_to_prefill": plan.num_tokens_to_prefill, "ideal_hit_rate": plan.ideal_hit_rate,
-        "hit_rate": None if first.num_cached_prompt_tokens is None
-        else first.num_cached_prompt_tokens / workload.num_prompt_tokens,
+        "hit_rate": None if typical.num_cached_prompt_tokens is None
+        else typical.num_cached_prompt_tokens / workload.num_prompt_tokens,
         "peak_rss_increase_bytes": max(r["peak_rss_increase"] for r in runs),
-        "ttft_p50_s": percentile(first.ttft_s, 50), "ttft_p99_s": percentile(first.ttft_s, 99),
-        "tpot_p50_s": percentile(first.tpot_s, 50), "tpot_p99_s": percentile(first.tpot_s, 99),
+        "ttft_p50_s": percentile(typical.ttft_s, 50), "ttft_p99_s": percentile(typical.ttft_s, 99),
+        "tpot_p50_s": percentile(typical.tpot_s, 50), "tpot_p99_s": percentile(typical.tpot_s, 99),
     }
     if "peak_cuda_bytes" in runs[0]:
         row["peak_cuda_bytes"] = max(r["peak_cuda_bytes"] for r in runs)
