@@ -12,27 +12,16 @@ ratio, and the largest relative difference between the two results.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from bench_cpu_attention import median_ms
 
 from batchgen.engine.cpu_linear import PackedLinears
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, NUM_LAYERS = 576, 1536, 192, 49152, 30
 LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),
                 (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
-
-
-def median_ms(function, repeats: int) -> float:
-    function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def make_layers(shapes: list[tuple[int, int]], copies: int) -> torch.nn.ModuleList:
@@ -45,12 +34,12 @@ def run_all(linears: torch.nn.ModuleList, inputs: dict[int, torch.Tensor]) -> No
         linear(inputs[linear.in_features])
 
 
-def compare(name: str, linears: torch.nn.ModuleList, num_rows: int, repeats: int, per: int) -> None:
+def compare(name: str, linears: torch.nn.ModuleList, packed: PackedLinears, num_rows: int, repeats: int,
+            per: int) -> None:
     inputs = {size: torch.randn(num_rows, size) for size in (HIDDEN, INTERMEDIATE)}
-    packed = PackedLinears.pack(linears)
-    torch_ms = median_ms(lambda: run_all(linears, inputs), repeats) / per
+    torch_ms = median_ms(run_all, (linears, inputs), repeats) / per
     with packed:
-        packed_ms = median_ms(lambda: run_all(linears, inputs), repeats) / per
+        packed_ms = median_ms(run_all, (linears, inputs), repeats) / per
         first = linears[0](inputs[linears[0].in_features])
     expected = F.linear(inputs[linears[0].in_features], linears[0].weight)
     diff = ((first - expected).abs().max() / expected.abs().max()).item()
@@ -63,15 +52,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,8,32,128,2048")
     parser.add_argument("--layers", type=int, default=NUM_LAYERS, help="distinct weight copies walked per call")
     options = parser.parse_args(argv)
-    if PackedLinears.pack(make_layers(LAYER_SHAPES, 1)) is None:
+    body, lm_head = make_layers(LAYER_SHAPES, options.layers), make_layers([(VOCAB, HIDDEN)], 1)
+    packed_body, packed_lm_head = PackedLinears.pack(body), PackedLinears.pack(lm_head)
+    if packed_body is None or packed_lm_head is None:
         raise SystemExit("oneDNN cannot pack float32 linear weights on this machine")
     print(f"threads={torch.get_num_threads()} float32; ms per layer (7 products) and per lm_head")
     print(f"{'weights':<10}{'rows':>6}{'torch ms':>12}{'packed ms':>12}{'speedup':>10}{'rel diff':>12}")
-    body, lm_head = make_layers(LAYER_SHAPES, options.layers), make_layers([(VOCAB, HIDDEN)], 1)
     with torch.inference_mode():
         for num_rows in (int(r) for r in options.rows.split(",")):
-            compare("layer", body, num_rows, options.repeats, options.layers)
-            compare("lm_head", lm_head, num_rows, options.repeats, 1)
+            compare("layer", body, packed_body, num_rows, options.repeats, options.layers)
+            compare("lm_head", lm_head, packed_lm_head, num_rows, options.repeats, 1)
 
 
 if __name__ == "__main__":

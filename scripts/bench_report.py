@@ -20,9 +20,9 @@ from bench import markdown_table, ratios_table  # noqa: E402
 def main(paths: list[str]) -> str:
     reports = [json.loads(Path(path).read_text()) for path in paths]
     rows = [row for report in reports for row in report["rows"]]
-    ratios = {workload: entry for report in reports for workload, entry in report["ratios"].items()}
+    ratios = [f"{path}:\n{ratios_table(report['ratios'])}" for path, report in zip(paths, reports)]
     machines = sorted({json.dumps(report["machine"], sort_keys=True) for report in reports})
-    text = f"{markdown_table(rows)}\n\n{ratios_table(ratios)}\n\nmachine: " + "\nmachine: ".join(machines)
+    text = f"{markdown_table(rows)}\n\n" + "\n\n".join(ratios) + "\n\nmachine: " + "\nmachine: ".join(machines)
     print(text)
     return text
 

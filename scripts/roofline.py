@@ -5,8 +5,9 @@
     python scripts/roofline.py --device cuda --dtype bfloat16 --model random-smollm2
 
 Measured first: memory bandwidth (a large tensor copy; bytes read + written per second) and
-the matmul rate (a large square product as a linear layer computes it, float32 and bfloat16). Then for decode steps (batch 1,
-32, 64 at contexts 256, 1024, 2048) and one prefill step (2048 tokens) the bound is
+the matmul rate (a large square product as a linear layer computes it, float32 and
+bfloat16). Then for decode steps (batch 1, 32, 64 at contexts 256, 1024, 2048) and one
+prefill step (2048 tokens) the bound is
 
     max(bytes moved / bandwidth, FLOPs / matmul rate of the dtype)
 
@@ -93,9 +94,10 @@ def measure_bandwidth(device: torch.device, num_bytes: int) -> float:
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, max_n: int, max_call_s: float = 0.5) -> float:
-    """FLOP/s of an n x n by n x n matrix product in `dtype`, as a linear layer computes it (input times
-    the transposed weight: on some CPUs a bf16 product is 10x slower in the other layout). n doubles from 256 up to `max_n` while
-    one product is predicted to take under `max_call_s` (a dtype without fast kernels stays small)."""
+    """FLOP/s of an n x n by n x n matrix product in `dtype`, as a linear layer computes it (input
+    times the transposed weight: on some CPUs a bf16 product is 10x slower in the other layout).
+    n doubles from 256 up to `max_n` while one product is predicted to take under `max_call_s`
+    (a dtype without fast kernels stays small)."""
     n, rate = 256, 0.0
     while True:
         a = torch.randn(n, n, device=device).to(dtype)
@@ -226,10 +228,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def step_sizes(args: argparse.Namespace) -> Sizes:
     """The size's probes and step shapes, with the shapes given on the command line."""
     sizes = SIZES[args.size or args.device]
-    numbers = lambda text: tuple(int(n) for n in text.split(","))  # noqa: E731
-    return replace(sizes, batches=numbers(args.batches) if args.batches else sizes.batches,
-                   contexts=numbers(args.contexts) if args.contexts else sizes.contexts,
+    return replace(sizes, batches=int_list(args.batches) if args.batches else sizes.batches,
+                   contexts=int_list(args.contexts) if args.contexts else sizes.contexts,
                    prefill_tokens=args.prefill_tokens or sizes.prefill_tokens)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """"32,64" -> (32, 64)."""
+    return tuple(int(n) for n in text.split(","))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,6 +26,7 @@ class PackedLinears:
 
     def __init__(self, packed: list[tuple[nn.Linear, torch.Tensor]]):
         self.packed = packed
+        self.forwards = [(module, _packed_forward(weight, module.bias)) for module, weight in packed]
 
     @classmethod
     def pack(cls, model: nn.Module) -> PackedLinears | None:
@@ -42,8 +43,8 @@ class PackedLinears:
         return cls(packed)
 
     def __enter__(self) -> PackedLinears:
-        for module, weight in self.packed:
-            module.forward = _packed_forward(weight, module.bias)
+        for module, forward in self.forwards:
+            module.forward = forward
         return self
 
     def __exit__(self, *exc) -> None:

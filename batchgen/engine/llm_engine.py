@@ -111,7 +111,7 @@ class LLMEngine:
                 rows.append(SamplingRow(member.params, member.token_ids, member.num_output_tokens, member.generator))
                 seqs.append(member)
                 logit_rows.append(row)
-        if logit_rows != list(range(logits.shape[0])):  # n > 1 forks: repeat their rows (a copy of the logits)
+        if len(logit_rows) != logits.shape[0]:  # n > 1 forks: repeat their rows (a copy of the logits)
             logits = logits[logit_rows]
         tokens = sample(logits, rows, self.stop_checker.eos_token_ids)
         now = time.time()

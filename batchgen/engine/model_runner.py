@@ -11,7 +11,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 
 import torch
