@@ -11,7 +11,9 @@ dtype; equal tokens are expected in float32): a mismatch is flagged in the table
 workload samples, so there only batchgen with and without caching (same seeds) are compared.
 
 Peak memory is the largest increase of this process's RSS over its value at the start of a run,
-sampled every few milliseconds (the model weights loaded before are not counted).
+sampled every few milliseconds (the model weights loaded before are not counted). batchgen's
+allocated KV pool (`kv_pool_bytes` in the JSON) is fixed at start and stays within the
+configured `kv_cache_bytes`.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def summarize(name: str, workload: Workload, runs: list[dict], plan) -> dict:
         "hit_rate": None if typical.num_cached_prompt_tokens is None
         else typical.num_cached_prompt_tokens / workload.num_prompt_tokens,
         "peak_rss_increase_bytes": max(r["peak_rss_increase"] for r in runs),
+        "kv_pool_bytes": typical.kv_pool_bytes,
         "ttft_p50_s": percentile(typical.ttft_s, 50), "ttft_p99_s": percentile(typical.ttft_s, 99),
         "tpot_p50_s": percentile(typical.tpot_s, 50), "tpot_p99_s": percentile(typical.tpot_s, 99),
     }

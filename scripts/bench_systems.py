@@ -34,6 +34,7 @@ class RunResult:
     num_cached_prompt_tokens: int | None = None
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
+    kv_pool_bytes: int | None = None  # batchgen's allocated KV pool, all layers
 
 
 def synchronize(device: torch.device) -> None:
@@ -183,8 +184,10 @@ class Batchgen:
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
         stats = llm.engine.stats
+        caches = (*llm.engine.runner.k_caches, *llm.engine.runner.v_caches)
         run = RunResult([[c.token_ids for c in o.outputs] for o in outputs], wall,
-                        stats["num_computed_prompt_tokens"], stats["num_cached_prompt_tokens"])
+                        stats["num_computed_prompt_tokens"], stats["num_cached_prompt_tokens"],
+                        kv_pool_bytes=sum(c.nbytes for c in caches))
         for output in outputs:
             for completion in output.outputs:
                 m = completion.metrics

@@ -16,6 +16,7 @@ import bench  # noqa: E402
 import bench_cpu_attention  # noqa: E402
 import bench_cpu_linear  # noqa: E402
 import bench_report  # noqa: E402
+import profile_workload  # noqa: E402
 import roofline  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
 
@@ -59,6 +60,8 @@ def test_bench_tiny_runs_systems_and_checks_tokens(tmp_path, one_thread):
     shared = rows["shared-system", "batchgen"]
     assert shared["num_computed_prompt_tokens"] == shared["plan_tokens_to_prefill"]
     assert shared["hit_rate"] == pytest.approx(shared["ideal_hit_rate"])
+    assert 0 < shared["kv_pool_bytes"] <= bench.KV_CACHE_BYTES["tiny"]  # the pool stays inside its budget
+    assert rows["shared-system", "hf-generate-b1"]["kv_pool_bytes"] is None
     assert rows["shared-system", "batchgen-nocache"]["num_computed_prompt_tokens"] == shared["num_prompt_tokens"]
     for system in ("hf-generate-b1", "hf-generate-padded-8", "hf-generate-padded-32", "batchgen-nocache"):
         assert rows["shared-system", system]["tokens"]["num_mismatched"] == 0
@@ -120,3 +123,29 @@ def test_shared_prefix_inputs_share_exactly_the_prefix_blocks():
     assert block_tables[:3, :2].unique(dim=0).shape[0] == 1 and block_tables[3:, :2].unique(dim=0).shape[0] == 1
     assert not set(block_tables[:3, :2].flatten().tolist()) & set(block_tables[3:, :2].flatten().tolist())
     assert len(set(block_tables[:, 2].tolist())) == 6
+
+
+def test_profile_splits_each_systems_time(tmp_path, one_thread, capsys):
+    out = tmp_path / "profile.json"
+    rows = profile_workload.main(["--model", "random-tiny", "--size", "tiny", "--workload", "long-in",
+                                  "--systems", "hf-generate-padded,batchgen", "--out", str(out)])
+    assert [r["system"] for r in rows] == ["hf-generate-padded-8", "batchgen"]
+    for row in rows:
+        assert row["linear_s"] > 0 and row["attention_s"] > 0 and row["other_s"] > 0
+        assert row["linear_s"] + row["attention_s"] < row["profiled_wall_s"]
+        assert row["linear_gflop_s"] > 0 and row["top_ops"]
+    batchgen_ops = {op["op"] for op in rows[1]["top_ops"]}
+    assert "mkldnn::_linear_pointwise" in batchgen_ops  # the packed linears ran, and were counted
+    assert "| batchgen |" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["rows"]) == 2
+
+
+def test_linear_flops_count_weights_per_token():
+    from bench_models import random_model
+
+    model, _ = random_model("random-tiny", "cpu", "float32")
+    workload = build_workload("long-in", "tiny", 512, 3)
+    layer_weights = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    num_fed_back = workload.num_output_tokens - len(workload.prompt_ids)
+    expected = 2 * (layer_weights * (100 + num_fed_back) + 512 * 64 * workload.num_output_tokens)
+    assert profile_workload.linear_flops(model, workload, 100) == expected

@@ -33,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "batchgen"
+PROFILER_LABEL = "batchgen::attention"  # the span of one layer's attention (KV write included) in a torch profile
 
 
 @dataclass
@@ -153,19 +154,21 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
 
     Outside a batchgen step (e.g. the same model used by `model.generate`) it defers to
     transformers' SDPA attention, so a model handed to batchgen stays usable as before.
+    Inside one, its work shows in a torch profile as one `PROFILER_LABEL` span per layer.
     """
     step: AttentionStep | None = kwargs.pop("batchgen_step", None)
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
-    write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale)
+    with torch.profiler.record_function(PROFILER_LABEL):
+        layer = module.layer_idx
+        q = query[0].transpose(0, 1)
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+        k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
+        write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        out = step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale)
     return out.unsqueeze(0), None
 
 
