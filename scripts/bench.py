@@ -246,19 +246,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES), help="comma-separated workload ids")
     parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help="comma-separated system names")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--size", default="cpu", choices=sorted(SIZES))
-    parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
     parser.add_argument("--out", default="results.json")
-    parser.add_argument("--padded-batch-sizes", default="8,32",
-                        help="batch sizes of hf-generate-padded (the best one counts)")
-    parser.add_argument("--max-batch-tokens", type=int, default=2048,
-                        help="tokens per step of batchgen (its max_num_batched_tokens) and of generate_batch")
+    add_system_args(parser, padded_batch_sizes="8,32")
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
-    args.padded_batch_sizes = tuple(int(size) for size in args.padded_batch_sizes.split(",") if size)
     args.systems = [s for s in args.systems.split(",") if s and not (args.skip_slow_baselines and s in SLOW_BASELINES)]
     unknown = [w for w in args.workloads if w not in WORKLOAD_NAMES]
     if unknown:
@@ -266,16 +258,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    kv_cache_bytes = KV_CACHE_BYTES[args.size]
+def add_system_args(parser: argparse.ArgumentParser, padded_batch_sizes: str) -> None:
+    """The options that pick the model and shape the systems (shared with the profile script)."""
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--size", default="cpu", choices=sorted(SIZES))
+    parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
+    parser.add_argument("--padded-batch-sizes", default=padded_batch_sizes, type=int_tuple,
+                        help="batch sizes of hf-generate-padded (the best one counts)")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048,
+                        help="tokens per step of batchgen (its max_num_batched_tokens) and of generate_batch")
+
+
+def int_tuple(text: str) -> tuple[int, ...]:
+    """"8,32" -> (8, 32)."""
+    return tuple(int(size) for size in text.split(",") if size)
+
+
+def load_systems(args: argparse.Namespace) -> tuple[list, object, object]:
+    """(systems, batchgen's model, tokenizer) for the parsed options.
+
+    transformers' systems get a model copy of their own when a batchgen system runs too
+    (batchgen changes the model's attention implementation).
+    """
     model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
     hf_model = model
     if any(s.startswith("batchgen") for s in args.systems):
         hf_model = load_bench_model(args.model, args.device, args.dtype)[0]
-    systems = make_systems(args.systems, hf_model, model, tokenizer, kv_cache_bytes, BLOCK_SIZE,
+    systems = make_systems(args.systems, hf_model, model, tokenizer, KV_CACHE_BYTES[args.size], BLOCK_SIZE,
                            args.max_batch_tokens, args.padded_batch_sizes)
+    return systems, model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    kv_cache_bytes = KV_CACHE_BYTES[args.size]
+    systems, model, tokenizer = load_systems(args)
     vocab_size, low = model.config.get_text_config().vocab_size, lowest_plain_token_id(tokenizer)
     rows = []
     for name in args.workloads:

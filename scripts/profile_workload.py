@@ -30,10 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import BLOCK_SIZE, KV_CACHE_BYTES, WARMUP_REQUESTS, WARMUP_TOKENS  # noqa: E402
-from bench_models import load_bench_model, lowest_plain_token_id  # noqa: E402
-from bench_systems import SYSTEM_NAMES, make_systems, synchronize  # noqa: E402
-from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload  # noqa: E402
+from bench import WARMUP_REQUESTS, WARMUP_TOKENS, add_system_args, load_systems  # noqa: E402
+from bench_models import lowest_plain_token_id  # noqa: E402
+from bench_systems import SYSTEM_NAMES, synchronize  # noqa: E402
+from bench_workloads import WORKLOAD_NAMES, Workload, build_workload  # noqa: E402
 
 from batchgen.engine.attention import PROFILER_LABEL  # noqa: E402
 
@@ -53,23 +53,23 @@ def linear_flops(model, workload: Workload, num_computed_prompt_tokens: int) -> 
     return 2.0 * (layer_weights * (num_computed_prompt_tokens + num_fed_back) + head_weights * num_outputs)
 
 
-def span_totals(prof, device: torch.device) -> tuple[float, float]:
+def span_totals(averages, device: torch.device) -> tuple[float, float]:
     """(linear seconds, attention seconds), inclusive, from the profile's averages.
 
     Attention counts batchgen's span when present (transformers' SDPA calls otherwise), so a
     batchgen prefill's SDPA inside the span is not counted twice.
     """
     field = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-    totals = {e.key: getattr(e, field) / 1e6 for e in prof.key_averages()}
+    totals = {e.key: getattr(e, field) / 1e6 for e in averages}
     linear = sum(totals.get(name, 0.0) for name in LINEAR_OPS)
     attention = next((totals[name] for name in ATTENTION_OPS if name in totals), 0.0)
     return linear, attention
 
 
-def top_ops(prof, device: torch.device) -> list[dict]:
+def top_ops(averages, device: torch.device) -> list[dict]:
     """The operators with the most self time (seconds) and their call counts."""
     field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, field), reverse=True)[:TOP_OPS]
+    events = sorted(averages, key=lambda e: getattr(e, field), reverse=True)[:TOP_OPS]
     return [{"op": e.key, "self_s": getattr(e, field) / 1e6, "calls": e.count} for e in events]
 
 
@@ -83,13 +83,14 @@ def profile_system(system, workload: Workload, model, device: torch.device) -> d
         result = system.run(workload)
         synchronize(device)
         profiled_wall = time.perf_counter() - start
-    linear, attention = span_totals(prof, device)
+    averages = prof.key_averages()
+    linear, attention = span_totals(averages, device)
     computed = result.num_computed_prompt_tokens
     flops = linear_flops(model, workload, computed) if computed is not None else None
     return {"system": system.name, "workload": workload.name, "wall_s": wall, "profiled_wall_s": profiled_wall,
             "linear_s": linear, "attention_s": attention, "other_s": profiled_wall - linear - attention,
             "linear_gflop_s": None if flops is None or linear == 0 else flops / linear / 1e9,
-            "top_ops": top_ops(prof, device)}
+            "top_ops": top_ops(averages, device)}
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -113,29 +114,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="long-in", choices=WORKLOAD_NAMES)
     parser.add_argument("--systems", default="hf-generate-padded,batchgen", help="comma-separated system names")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--size", default="cpu", choices=sorted(SIZES))
-    parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
-    parser.add_argument("--padded-batch-sizes", default="8", help="batch sizes of hf-generate-padded")
-    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per step of batchgen")
     parser.add_argument("--out", default="profile.json")
+    add_system_args(parser, padded_batch_sizes="8")
     args = parser.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in args.systems if s not in SYSTEM_NAMES]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEM_NAMES)}")
-    args.padded_batch_sizes = tuple(int(size) for size in args.padded_batch_sizes.split(",") if size)
     return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
-    model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
-    hf_model = load_bench_model(args.model, args.device, args.dtype)[0]
-    systems = make_systems(args.systems, hf_model, model, tokenizer, KV_CACHE_BYTES[args.size], BLOCK_SIZE,
-                           args.max_batch_tokens, args.padded_batch_sizes)
+    systems, model, tokenizer = load_systems(args)
     workload = build_workload(args.workload, args.size, model.config.get_text_config().vocab_size,
                               lowest_plain_token_id(tokenizer))
     rows = []

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench import int_tuple  # noqa: E402
 from bench_models import load_bench_model  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
@@ -228,14 +229,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def step_sizes(args: argparse.Namespace) -> Sizes:
     """The size's probes and step shapes, with the shapes given on the command line."""
     sizes = SIZES[args.size or args.device]
-    return replace(sizes, batches=int_list(args.batches) if args.batches else sizes.batches,
-                   contexts=int_list(args.contexts) if args.contexts else sizes.contexts,
+    return replace(sizes, batches=int_tuple(args.batches) if args.batches else sizes.batches,
+                   contexts=int_tuple(args.contexts) if args.contexts else sizes.contexts,
                    prefill_tokens=args.prefill_tokens or sizes.prefill_tokens)
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """"32,64" -> (32, 64)."""
-    return tuple(int(n) for n in text.split(","))
 
 
 def main(argv: list[str] | None = None) -> dict:

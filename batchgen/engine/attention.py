@@ -25,6 +25,7 @@ runs prefill chunks through `scaled_dot_product_attention`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +161,7 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    with torch.profiler.record_function(PROFILER_LABEL):
+    with profiler_span():
         layer = module.layer_idx
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1)
@@ -170,6 +171,14 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         out = step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale)
     return out.unsqueeze(0), None
+
+
+def profiler_span():
+    """A `PROFILER_LABEL` span while a torch profiler records; otherwise nothing (a span costs
+    about 9 µs, per layer and step)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(PROFILER_LABEL)
+    return contextlib.nullcontext()
 
 
 def register() -> str:
