@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine import cpu_attention
+from batchgen.kernels import cpu_attention
 
 NUM_SEQS, CONTEXT_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 1024, 9, 3, 64, 16
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from bench_cpu_attention import median_ms
 
-from batchgen.engine.cpu_linear import PackedLinears
+from batchgen.kernels.cpu_linear import PackedLinears
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, NUM_LAYERS = 576, 1536, 192, 49152, 30
 LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),

@@ -19,8 +19,8 @@ import statistics
 
 import torch
 
-from batchgen.engine import cuda_attention
-from batchgen.engine.attention import gather_decode
+from batchgen.kernels import cuda_attention
+from batchgen.kernels.attention import gather_decode
 
 BLOCK_SIZE = 16
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}

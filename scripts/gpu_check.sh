@@ -77,7 +77,7 @@ try:
 except ImportError:
     print("triton: not installed (decode falls back to gather + SDPA)")
 import batchgen
-from batchgen.engine import cuda_attention
+from batchgen.kernels import cuda_attention
 sys.path.insert(0, "scripts")
 import bench_models, bench_systems, bench_workloads  # noqa: F401  (the benchmark's imports)
 heavy = [name for name in ("gguf", "datasets") if name in sys.modules]
@@ -93,7 +93,7 @@ export -f install_wheels describe_env
 step wheels 60 env.log bash -c install_wheels
 [[ -d /tmp/batchgen-site ]] && export PYTHONPATH="$PYTHONPATH:/tmp/batchgen-site"
 step env 60 env.log bash -c describe_env
-step kernel-tests 180 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/engine/test_cuda_attention.py
+step kernel-tests 180 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/kernels/test_cuda_attention.py
 step exactness 150 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cuda_exactness.py
 step attention-bench 90 attention_bench.log "$PYTHON" scripts/bench_cuda_attention.py --repeats 30
 step roofline 80 roofline.log "$PYTHON" scripts/roofline.py --device cuda --dtype bfloat16 \

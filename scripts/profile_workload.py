@@ -35,7 +35,7 @@ from bench_models import lowest_plain_token_id  # noqa: E402
 from bench_systems import SYSTEM_NAMES, synchronize  # noqa: E402
 from bench_workloads import WORKLOAD_NAMES, Workload, build_workload  # noqa: E402
 
-from batchgen.engine.attention import PROFILER_LABEL  # noqa: E402
+from batchgen.kernels.attention import PROFILER_LABEL  # noqa: E402
 
 LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = (PROFILER_LABEL, "aten::scaled_dot_product_attention")

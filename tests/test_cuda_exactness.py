@@ -40,8 +40,8 @@ def mismatches(outputs, expected) -> list[int]:
 
 
 def test_native_backend_decodes_with_the_cuda_kernel_when_triton_is_there():
-    from batchgen.engine import cuda_attention
-    from batchgen.engine.attention import gather_decode
+    from batchgen.kernels import cuda_attention
+    from batchgen.kernels.attention import gather_decode
 
     model, _, _ = model_and_oracle("llama")
     llm = LLM(model, tokenizer=tiny_tokenizer(), attention_backend="native", kv_cache_memory=KV_CACHE_MEMORY)

@@ -109,7 +109,7 @@ def test_cpu_linear_bench_prints_both_paths(capsys):
 
 
 def test_cpu_attention_bench_compares_cascade_with_plain(capsys):
-    from batchgen.engine import cpu_attention
+    from batchgen.kernels import cpu_attention
     if not cpu_attention.is_available():
         pytest.skip("no C compiler for the CPU kernel")
     bench_cpu_attention.main(["--repeats", "1"])

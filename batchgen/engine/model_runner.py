@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.attention import (AttentionMetadata, AttentionStep, make_backend, register,
+from batchgen.kernels.attention import (AttentionMetadata, AttentionStep, make_backend, register,
                                        shared_prefix_groups)
-from batchgen.engine.cpu_linear import PackedLinears
+from batchgen.kernels.cpu_linear import PackedLinears
 from batchgen.engine.scheduler import ScheduledSeq
 
 

@@ -265,7 +265,7 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
     if device.type == "cpu":
-        from batchgen.engine import cpu_attention
+        from batchgen.kernels import cpu_attention
 
         if cpu_attention.is_available():
             return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True)
@@ -274,7 +274,7 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
 
 def _decode_function(device: torch.device):
     if device.type == "cuda":
-        from batchgen.engine import cuda_attention
+        from batchgen.kernels import cuda_attention
 
         if cuda_attention.is_available():
             return cuda_attention.paged_decode_attention

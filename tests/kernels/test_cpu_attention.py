@@ -7,8 +7,8 @@ import zlib
 import pytest
 import torch
 
-from batchgen.engine import cpu_attention
-from tests.engine.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
+from batchgen.kernels import cpu_attention
+from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the kernel")
 

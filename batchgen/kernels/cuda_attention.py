@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from batchgen.engine.decode_inputs import check_decode_inputs
+from batchgen.kernels.decode_inputs import check_decode_inputs
 
 try:
     import triton

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.cpu_linear import PackedLinears
+from batchgen.kernels.cpu_linear import PackedLinears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engine import cuda_attention
-from tests.engine.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
+from batchgen.kernels import cuda_attention
+from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -80,8 +80,8 @@ def test_interpreter_matches_reference():
 def test_module_imports_and_is_unavailable_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"
-            "from batchgen.engine import cuda_attention as ca\n"
-            "from batchgen.engine.attention import _decode_function, gather_decode\n"
+            "from batchgen.kernels import cuda_attention as ca\n"
+            "from batchgen.kernels.attention import _decode_function, gather_decode\n"
             "assert not ca.is_available()\n"
             "assert _decode_function(torch.device('cuda')) is gather_decode\n"
             "try:\n"
@@ -116,7 +116,7 @@ def test_cuda_matches_reference(dtype, shape, num_splits):
 @pytest.mark.gpu
 @requires_cuda
 def test_cuda_strided_query_and_backend_wiring():
-    from batchgen.engine.attention import gather_decode, make_backend
+    from batchgen.kernels.attention import gather_decode, make_backend
 
     assert cuda_attention.is_available()
     assert make_backend("auto", torch.device("cuda")).decode is cuda_attention.paged_decode_attention

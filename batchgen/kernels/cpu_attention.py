@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.engine.decode_inputs import check_decode_inputs
+from batchgen.kernels.decode_inputs import check_decode_inputs
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Kernels the model runner uses: paged attention backends (C on CPU, Triton on CUDA), packed linears."""
