@@ -27,18 +27,20 @@ from typing import Any
 import yaml
 
 from batchgen.config_values import (
-    Check,
-    byte_size,
+    OptionError,
+    check_options,
     column_names,
-    device_name,
     format_template,
     int_at_least,
     non_empty_text,
     one_of,
+    option,
+    options_of,
     or_null,
     template_columns,
     true_or_false,
 )
+from batchgen.engine.config import EngineConfig
 from batchgen.io.readers import detect_format
 from batchgen.sampling_params import SamplingParams
 
@@ -50,42 +52,23 @@ class JobConfigError(ValueError):
     """A job that cannot run; the message names the file, line, key and what is allowed."""
 
 
-def _key(default: Any, check: Check) -> Any:
-    """A job-file key: its default and the check its value must pass."""
-    if isinstance(default, list):
-        return field(default_factory=list, metadata={"check": check})
-    return field(default=default, metadata={"check": check})
-
-
-@dataclass
-class EngineConfig:
-    """Engine knobs, passed to ``LLM(...)`` as keyword arguments."""
-
-    dtype: str = _key("auto", one_of("auto", "float32", "bfloat16", "float16"))
-    device: str = _key("auto", device_name)
-    block_size: int = _key(16, int_at_least(1))
-    kv_cache_memory: int | None = _key(None, or_null(byte_size))
-    max_num_seqs: int = _key(256, int_at_least(1))
-    max_num_batched_tokens: int = _key(2048, int_at_least(1))
-    enable_prefix_caching: bool = _key(True, true_or_false)
-    attention_backend: str = _key("auto", one_of("auto", "native", "reference"))
-    pack_linear_weights: bool = _key(True, true_or_false)
-
-
 @dataclass
 class InputConfig:
     """Where the prompts come from and how a row becomes a prompt."""
 
-    path: Path | None = _key(None, or_null(non_empty_text))
-    format: str = _key("auto", one_of(*FORMATS))
-    dataset: str | None = _key(None, or_null(non_empty_text))
-    split: str = _key("train", non_empty_text)
-    prompt_column: str = _key("prompt", non_empty_text)
-    id_column: str | None = _key(None, or_null(non_empty_text))
-    system_prompt: str | None = _key(None, or_null(non_empty_text))
-    prompt_template: str | None = _key(None, or_null(format_template))
-    apply_chat_template: bool = _key(True, true_or_false)
-    carry_columns: list[str] = _key([], column_names)
+    path: Path | None = option(None, or_null(non_empty_text))
+    format: str = option("auto", one_of(*FORMATS))
+    dataset: str | None = option(None, or_null(non_empty_text))
+    split: str = option("train", non_empty_text)
+    prompt_column: str = option("prompt", non_empty_text)
+    id_column: str | None = option(None, or_null(non_empty_text))
+    system_prompt: str | None = option(None, or_null(non_empty_text))
+    prompt_template: str | None = option(None, or_null(format_template))
+    apply_chat_template: bool = option(True, true_or_false)
+    carry_columns: list[str] = option([], column_names)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass
@@ -100,9 +83,12 @@ class SamplingConfig:
 class OutputConfig:
     """Where answers go: a ``.parquet`` file (single file, input order) or a folder of shards."""
 
-    path: Path | None = _key(None, or_null(non_empty_text))
-    shard_size: int = _key(256, int_at_least(1))
-    mode: str = _key("resume", one_of("resume", "overwrite"))
+    path: Path | None = option(None, or_null(non_empty_text))
+    shard_size: int = option(256, int_at_least(1))
+    mode: str = option("resume", one_of("resume", "overwrite"))
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass
@@ -246,16 +232,10 @@ def _model(locate: Callable, value: Any, job_dir: Path) -> str | None:
 
 
 def _parse_fields(locate: Callable, name: str, cls: type, raw: dict) -> Any:
-    names = [f.name for f in dataclasses.fields(cls)]
-    _refuse_unknown(locate, f"{name}.", raw, names)
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name in raw:
-            try:
-                values[f.name] = f.metadata["check"](raw[f.name])
-            except ValueError as error:
-                raise locate(f"{name}.{f.name}", f"{error}, got {raw[f.name]!r}") from None
-    return cls(**values)
+    try:
+        return options_of(cls, raw)
+    except OptionError as error:
+        raise locate(f"{name}.{error.key}", error.reason) from None
 
 
 def _parse_sampling(locate: Callable, raw: dict) -> SamplingConfig:
@@ -265,7 +245,7 @@ def _parse_sampling(locate: Callable, raw: dict) -> SamplingConfig:
     try:
         params = SamplingParams(**kwargs)
     except ValueError as error:
-        raise locate(_blamed_key(str(error), kwargs), str(error)) from None
+        raise locate(_blamedoption(str(error), kwargs), str(error)) from None
     return SamplingConfig(params=params, overrides=_parse_overrides(locate, raw.get("overrides"), names))
 
 
@@ -281,7 +261,7 @@ def _parse_overrides(locate: Callable, raw: Any, names: list[str]) -> dict[str, 
     return dict(raw)
 
 
-def _blamed_key(message: str, kwargs: dict[str, Any]) -> str:
+def _blamedoption(message: str, kwargs: dict[str, Any]) -> str:
     """The sampling key a SamplingParams error message names first (else the whole section)."""
     positions = {key: match.start() for key in kwargs if (match := re.search(rf"\b{key}\b", message))}
     return f"sampling.{min(positions, key=positions.get)}" if positions else "sampling"

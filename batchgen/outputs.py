@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    """Why a sample ended: a stop condition, its length limit, or an error (it never ran)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ERROR = "error"
 
 
 @dataclass
@@ -25,12 +35,12 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request. `finish_reason` is "stop", "length" or "error"."""
+    """One sample of a request."""
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     error: str | None
     metrics: RequestMetrics
 
@@ -49,6 +59,19 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     error: str | None = None
 
+    @classmethod
+    def failed(cls, request_id: int, prompt: str | None, prompt_token_ids: list[int], n: int, message: str,
+               arrival_time: float) -> RequestOutput:
+        """The output of a request that cannot run: n samples with finish reason ERROR and `message`."""
+        finished_time = time.time()
+        completions = [
+            CompletionOutput(index, "", [], FinishReason.ERROR, message,
+                             RequestMetrics(arrival_time, finished_time=finished_time,
+                                            num_prompt_tokens=len(prompt_token_ids)))
+            for index in range(n)
+        ]
+        return cls(request_id, prompt, list(prompt_token_ids), completions, error=message)
+
     @property
     def text(self) -> str:
         return self.outputs[0].text
@@ -58,7 +81,7 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
     @property
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> FinishReason:
         return self.outputs[0].finish_reason
 
     @property

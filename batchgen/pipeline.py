@@ -26,24 +26,14 @@ from transformers import PreTrainedTokenizerBase
 
 from batchgen import models
 from batchgen.config import JobConfig
-from batchgen.engine.llm_engine import error_output, max_context_len
-from batchgen.engine.radix_tree import RadixTree
-from batchgen.io import (
-    InputRow,
-    ShardWriter,
-    carried_fields,
-    file_digest,
-    fingerprint_job,
-    iter_rows,
-    open_table,
-    output_schema,
-    version_metadata,
-)
-from batchgen.io.readers import input_columns
+from batchgen.engine.stats import EngineStats
+from batchgen.io.fingerprint import file_digest, fingerprint_job
+from batchgen.io.output_table import is_error_reason, output_rows, output_schema
+from batchgen.io.readers import InputRow, carried_fields, input_columns, iter_rows, open_table
+from batchgen.io.writer import ShardWriter, version_metadata
 from batchgen.llm import LLM
-from batchgen.output_rows import output_rows
 from batchgen.outputs import RequestOutput
-from batchgen.prompts import encode_prompt
+from batchgen.plan import Plan, build_plan
 from batchgen.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
 from batchgen.sampling_params import SamplingParams
 
@@ -107,7 +97,7 @@ def split_rows(config: JobConfig, rows: list[InputRow]) -> tuple[list[tuple[Inpu
 
 
 def plan_job(config: JobConfig, limit: int | None = None) -> PlanReport:
-    """The radix-tree plan of the job's rows, from the tokenizer alone (no model forward)."""
+    """The plan of the job's rows, from the tokenizer and model config alone (no weights, no forward)."""
     table, _ = open_input(config)
     rows = read_rows(config, table, limit)
     good, bad = split_rows(config, rows)
@@ -115,38 +105,35 @@ def plan_job(config: JobConfig, limit: int | None = None) -> PlanReport:
         tokenizer, model_config = models.load_tokenizer_and_config(config.model)
     except ValueError as error:
         raise config.error("model", str(error)) from None
-    max_prompt_len = max_context_len(model_config.get_text_config()) - 1
-    tree = RadixTree(config.engine.block_size)
-    ids = {}
-    for row, _ in good:
-        try:
-            token_ids = encode_prompt(tokenizer, row.prompt)
-            if len(token_ids) > max_prompt_len:
-                raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {max_prompt_len}")
-        except ValueError as error:
-            bad.append(dataclasses.replace(row, prompt=None, error=f"row {row.index}: {error}"))
-            continue
-        tree.insert(row.index, token_ids)
-        ids[row.index] = row.id
-    errors = [row.error for row in sorted(bad, key=lambda row: row.index)]
-    return plan_report(config, tree, tokenizer, ids, len(rows), errors)
+    text_config = model_config.get_text_config()
+    plan = build_plan(tokenizer, ((row.index, row.prompt, params) for row, params in good), config.engine.block_size,
+                      models.max_context_len(text_config) - 1, text_config.vocab_size)
+    errors = sorted([(row.index, row.error) for row in bad] +
+                    [(error.request_id, row_error(error.request_id, error.message)) for error in plan.errors])
+    ids = {row.index: row.id for row, _ in good}
+    return plan_report(config, plan, tokenizer, ids, len(rows), [message for _, message in errors])
 
 
-def plan_report(config: JobConfig, tree: RadixTree, tokenizer: PreTrainedTokenizerBase,
+def row_error(row_index: int, message: str) -> str:
+    """An error message that names its input row."""
+    return f"row {row_index}: {message}"
+
+
+def plan_report(config: JobConfig, plan: Plan, tokenizer: PreTrainedTokenizerBase,
                 ids: dict[int, str], num_rows: int, errors: list[str]) -> PlanReport:
-    stats = tree.stats()
+    stats = plan.stats
     groups = [
         PrefixGroupReport(group.num_requests, group.num_shared_tokens,
                           snippet(tokenizer.decode(group.shared_token_ids)),
                           [ids[index] for index in group.request_ids[:MAX_GROUP_IDS]])
-        for group in tree.prefix_groups(MAX_PREFIX_GROUPS)
+        for group in plan.prefix_groups(MAX_PREFIX_GROUPS)
     ]
     return PlanReport(
-        job=str(config.job_path), block_size=tree.block_size, num_rows=num_rows,
+        job=str(config.job_path), block_size=plan.block_size, num_rows=num_rows,
         num_requests=stats.num_requests, num_bad_rows=len(errors), num_prompt_tokens=stats.num_prompt_tokens,
         num_tokens_to_prefill=stats.num_tokens_to_prefill, num_cached_tokens=stats.num_cached_tokens,
         ideal_hit_rate=stats.ideal_hit_rate, prefix_groups=groups,
-        run_order_ids=[ids[index] for index in tree.order()[:MAX_ORDER_IDS]],
+        run_order_ids=[ids[request.request_id] for request in plan.requests[:MAX_ORDER_IDS]],
         bad_row_errors=errors[:MAX_BAD_ROW_ERRORS],
     )
 
@@ -188,7 +175,7 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
                           num_failed_in_output=count_failed(writer))
     counts = Counter(ok=0, failed=0)
     try:
-        stats = generate(config, writer, todo, counts, use_tqdm)
+        engine_stats = generate(config, writer, todo, counts, use_tqdm)
     except KeyboardInterrupt:
         writer.flush()  # keep the finished rows: a rerun resumes after them
         raise
@@ -196,30 +183,34 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
     summary = JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=False,
                          num_input_rows=len(rows), num_skipped_rows=len(rows) - len(todo),
                          num_rows_ok=counts["ok"], num_rows_failed=counts["failed"],
-                         num_failed_in_output=count_failed(writer), **stats)
+                         num_failed_in_output=count_failed(writer),
+                         **{name: getattr(engine_stats, name) for name in TOKEN_COUNTERS})
     _add_measurements(summary, time.time() - start_time)
     summary_path(config).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary
 
 
 def generate(config: JobConfig, writer: ShardWriter, rows: list[InputRow], counts: Counter,
-             use_tqdm: bool) -> dict[str, int]:
-    """Write every row's outputs (bad rows first, then the engine's as they finish); returns token counters.
-
-    The model is loaded only when at least one row can reach it.
-    """
+             use_tqdm: bool) -> EngineStats:
+    """Write every row's outputs (bad rows first, then the engine's as they finish); returns the
+    engine's counters. The model is loaded only when at least one row can reach it."""
     good, bad = split_rows(config, rows)
     for row in bad:
-        output = error_output(row.index, None, [], config.sampling.params.n, row.error, time.time())
-        _write(writer, config, row, output, counts)
-    stats = dict.fromkeys(TOKEN_COUNTERS, 0)
-    if good:
-        llm = load_llm(config)
-        prompts = [row.prompt for row, _ in good]
-        for output in llm.iter_generate(prompts, [params for _, params in good], use_tqdm=use_tqdm):
-            _write(writer, config, good[output.request_id][0], output, counts)
-        stats = {key: llm.engine.stats[key] for key in TOKEN_COUNTERS}
-    return stats
+        failed = RequestOutput.failed(row.index, None, [], config.sampling.params.n, row.error, time.time())
+        _write(writer, config, row, failed, counts)
+    if not good:
+        return EngineStats()
+    llm = load_llm(config)
+    rows_by_index = {row.index: row for row, _ in good}
+    plan = llm.plan([row.prompt for row, _ in good], [params for _, params in good],
+                    request_ids=[row.index for row, _ in good])
+    for error in plan.errors:
+        failed = RequestOutput.failed(error.request_id, None, [], error.n, row_error(error.request_id, error.message),
+                                      plan.arrival_time)
+        _write(writer, config, rows_by_index[error.request_id], failed, counts)
+    for output in llm.run_plan(plan, use_tqdm):
+        _write(writer, config, rows_by_index[output.request_id], output, counts)
+    return llm.stats
 
 
 def load_llm(config: JobConfig) -> LLM:
@@ -235,13 +226,13 @@ def _write(writer: ShardWriter, config: JobConfig, row: InputRow, output: Reques
     out_rows = output_rows(row, output, has_sample_index(config))
     writer.add_rows(out_rows)
     for out_row in out_rows:
-        counts["failed" if out_row["finish_reason"] == "error" else "ok"] += 1
+        counts["failed" if is_error_reason(out_row["finish_reason"]) else "ok"] += 1
 
 
 def count_failed(writer: ShardWriter) -> int:
     """Error rows in everything the output holds."""
     finish_reasons = writer.read_committed().column("finish_reason").to_pylist()
-    return sum(reason == "error" for reason in finish_reasons)
+    return sum(is_error_reason(reason) for reason in finish_reasons)
 
 
 def summary_path(config: JobConfig) -> Path:

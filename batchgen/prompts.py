@@ -1,14 +1,19 @@
-"""Prompt -> token ids: the one step shared by the engine, the planner and the job pipeline.
+"""Prompts: from an input row to a prompt, and from any prompt to token ids.
 
 A prompt is one of:
 - a string: tokenized as is (the tokenizer adds its usual special tokens);
 - a list of token ids: used as is;
-- a list of chat messages (``{"role": str, "content": str}``): rendered with the
-  tokenizer's chat template, followed by the assistant generation prompt.
+- a list of chat messages (``{"role": str, "content": str}``, role one of ``ALLOWED_ROLES``):
+  rendered with the tokenizer's chat template, followed by the assistant generation prompt.
 
-Invariant: ``encode_prompt`` returns a non-empty list of non-negative ints or raises
-``ValueError`` with a message fit for an output row's ``error`` column. Because the
-plan and the run both call it, the plan's token counts are the run's token counts.
+Invariants:
+- ``encode_prompt`` returns a non-empty list of non-negative ints or raises ``ValueError``
+  with a message fit for an output row's ``error`` column. The planner is its one caller, for
+  the library and for jobs alike, so a plan's token counts are the run's.
+- ``check_messages`` is the one check of chat messages: the library's prompts and a job's
+  rows pass the same rules and get the same messages.
+- The row functions (``prompt_from_cell``, ``apply_template``, ``shape_prompt``) raise only
+  ``BadRowError`` for a row's content, so one bad row never stops a job.
 """
 
 from __future__ import annotations
@@ -16,14 +21,20 @@ from __future__ import annotations
 from typing import Any
 
 Prompt = str | list[int] | list[dict[str, str]]
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 
 
+class BadRowError(ValueError):
+    """A problem with one input row: the row gets an error output, the job goes on."""
+
+
+# ---- any prompt -> token ids ----------------------------------------------------------------
 def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     """Token ids of ``prompt`` (see the module docstring); ``ValueError`` for malformed input."""
     if isinstance(prompt, str):
         token_ids = _encode_text(tokenizer, prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(item, dict) for item in prompt):
-        token_ids = _encode_messages(tokenizer, prompt)
+        token_ids = _encode_messages(tokenizer, check_messages(prompt))
     elif isinstance(prompt, list) and prompt and all(_is_token_id(item) for item in prompt):
         token_ids = list(prompt)
     elif isinstance(prompt, list) and not prompt:
@@ -45,8 +56,6 @@ def _encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def _encode_messages(tokenizer: Any, messages: list[dict]) -> list[int]:
-    for position, message in enumerate(messages):
-        check_message(message, position)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat messages given but the tokenizer has no chat template")
     token_ids = tokenizer.apply_chat_template(
@@ -55,17 +64,30 @@ def _encode_messages(tokenizer: Any, messages: list[dict]) -> list[int]:
     return list(token_ids)
 
 
-def check_message(message: Any, position: int) -> None:
-    """Raise ``ValueError`` unless ``message`` is a dict with string ``role`` and ``content``."""
+def check_messages(messages: list) -> list[dict]:
+    """Checked chat messages (numbered from 0 in errors); null-valued keys (Arrow fills them in) are dropped."""
+    if not messages:
+        raise ValueError("empty list of messages")
+    return [_check_message(message, f"message {position}") for position, message in enumerate(messages)]
+
+
+def _check_message(message: Any, where: str) -> dict:
     if not isinstance(message, dict):
-        raise ValueError(f"message {position} is not a mapping: {_describe(message)}")
-    for key in ("role", "content"):
-        if key not in message:
-            raise ValueError(f"message {position} has no {key!r} key")
-        if not isinstance(message[key], str):
-            raise ValueError(f"message {position} {key} must be a string, got {_describe(message[key])}")
-    if not message["role"]:
-        raise ValueError(f"message {position} has an empty role")
+        raise ValueError(f"{where} has type {type(message).__name__}, expected an object with 'role' and 'content'")
+    present = {key: value for key, value in message.items() if value is not None}
+    role = present.get("role")
+    if role is None:
+        raise ValueError(f"{where} has no 'role'")
+    if role == "":
+        raise ValueError(f"{where} has an empty role")
+    if role not in ALLOWED_ROLES:
+        raise ValueError(f"{where} has unknown role {role!r} (allowed: {', '.join(ALLOWED_ROLES)})")
+    content = present.get("content")
+    if content is None:
+        raise ValueError(f"{where} has no 'content' key")
+    if not isinstance(content, str):
+        raise ValueError(f"{where}: 'content' has type {type(content).__name__}, expected str")
+    return present
 
 
 def _is_token_id(item: Any) -> bool:
@@ -75,3 +97,66 @@ def _is_token_id(item: Any) -> bool:
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- an input row -> a prompt ---------------------------------------------------------------
+def prompt_from_cell(value: Any, column: str) -> str | list[dict]:
+    """The row's prompt cell as non-blank text or as checked chat messages."""
+    if value is None:
+        raise BadRowError(f"column {column!r} is null")
+    if isinstance(value, str):
+        if not value.strip():
+            raise BadRowError(f"column {column!r} is empty or whitespace only")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise BadRowError(f"column {column!r} is an empty list of messages")
+        try:
+            return check_messages(value)
+        except ValueError as error:
+            raise BadRowError(f"column {column!r}: {error}") from None
+    raise BadRowError(
+        f"column {column!r} has type {type(value).__name__}, expected text (str) "
+        "or chat messages (a list of {role, content})"
+    )
+
+
+def apply_template(template: str, text: str, values: dict[str, Any]) -> str:
+    """`template.format_map` with {prompt} = the prompt text and every non-null column.
+
+    {prompt} always means the row's prompt text, whatever the prompt column is named.
+    """
+    fields = {name: value for name, value in values.items() if value is not None}
+    fields["prompt"] = text
+    try:
+        return template.format_map(fields)
+    except KeyError as error:
+        raise BadRowError(
+            f"prompt_template refers to {{{error.args[0]}}}, which is not a column of this row or is null"
+        ) from None
+    except (IndexError, ValueError, AttributeError, TypeError) as error:
+        raise BadRowError(f"prompt_template cannot be applied to this row: {error}") from None
+
+
+def shape_prompt(row_prompt: str | list[dict], spec: Any) -> str | list[dict]:
+    """Shape a checked prompt for the engine, following the input spec.
+
+    apply_chat_template true: text becomes [system?, user] messages; messages get the
+    system prompt prepended unless they already start with a system message (the row's
+    own wins). apply_chat_template false: text stays text, with system_prompt + "\\n\\n"
+    in front when set; messages are a bad row (they need a chat template).
+    """
+    system_prompt = spec.system_prompt
+    if spec.apply_chat_template:
+        if isinstance(row_prompt, str):
+            messages = [{"role": "user", "content": row_prompt}]
+        else:
+            messages = list(row_prompt)
+        if system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return messages
+    if not isinstance(row_prompt, str):
+        raise BadRowError(
+            f"column {spec.prompt_column!r} holds chat messages, which need input.apply_chat_template: true"
+        )
+    return f"{system_prompt}\n\n{row_prompt}" if system_prompt else row_prompt

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 MAX_SEED = 2**63 - 1
@@ -71,17 +70,6 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (lists copied), safe for JSON and YAML."""
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
-        """Build from a mapping of field names; unknown keys are refused, missing keys take defaults."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"sampling params must be a mapping, got {type(data).__name__}")
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(str(key) for key in data if key not in allowed)
-        if unknown:
-            raise ValueError(f"unknown sampling params {unknown}; allowed keys: {', '.join(allowed)}")
-        return cls(**data)
 
 
 def _describe(value: Any) -> str:

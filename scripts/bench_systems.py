@@ -183,10 +183,10 @@ class Batchgen:
         errors = [o.error for o in outputs if o.error is not None]
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-        stats = llm.engine.stats
+        stats = llm.stats
         caches = (*llm.engine.runner.k_caches, *llm.engine.runner.v_caches)
         run = RunResult([[c.token_ids for c in o.outputs] for o in outputs], wall,
-                        stats["num_computed_prompt_tokens"], stats["num_cached_prompt_tokens"],
+                        stats.num_computed_prompt_tokens, stats.num_cached_prompt_tokens,
                         kv_pool_bytes=sum(c.nbytes for c in caches))
         for output in outputs:
             for completion in output.outputs:

@@ -42,7 +42,7 @@ from bench_models import load_bench_model  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.engine.model_runner import KVCacheSpec  # noqa: E402
-from batchgen.engine.scheduler import ScheduledSeq  # noqa: E402
+from batchgen.engine.step import ScheduledSeq, ScheduledStep  # noqa: E402
 from batchgen.engine.sequence import Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -147,7 +147,7 @@ def step_cost(shape: ModelShape, query_lens: list[int], context_lens: list[int])
     return shape.num_weight_bytes + kv_bytes, flops
 
 
-def placed_sequences(batch: int, context: int, num_new: int, vocab_size: int) -> list[ScheduledSeq]:
+def placed_step(batch: int, context: int, num_new: int, vocab_size: int) -> ScheduledStep:
     """`batch` sequences of `context` tokens whose first context - num_new are already "in the pool"
     (sequence i owns blocks i * blocks_per_seq ...), each computing its last num_new tokens."""
     blocks_per_seq = -(-context // BLOCK_SIZE)
@@ -159,7 +159,7 @@ def placed_sequences(batch: int, context: int, num_new: int, vocab_size: int) ->
         seq.num_computed_tokens = context - num_new
         seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
         scheduled.append(ScheduledSeq(seq, num_new))
-    return scheduled
+    return ScheduledStep(scheduled)
 
 
 def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> float:
@@ -169,14 +169,14 @@ def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> float
     num_tokens = batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE
     llm = LLM(model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_memory=num_tokens * shape_bytes,
               enable_prefix_caching=False, max_num_batched_tokens=max(2048, batch * num_new))
-    scheduled = placed_sequences(batch, context, num_new, model.config.get_text_config().vocab_size)
+    step = placed_step(batch, context, num_new, model.config.get_text_config().vocab_size)
     runner, device = llm.engine.runner, llm.engine.runner.device
-    runner.execute(scheduled, [])
+    runner.execute(step)
     times = []
     while len(times) < NUM_TIMED and sum(times) < MAX_TIMED_S:
         synchronize(device)
         start = time.perf_counter()
-        runner.execute(scheduled, [])
+        runner.execute(step)
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -57,7 +57,7 @@ def test_greedy_equals_transformers_generate_on_cuda(family, backend):
               kv_cache_memory=KV_CACHE_MEMORY)
     outputs = run_workload(llm, workload)
     assert mismatches(outputs, expected) == []
-    assert llm.engine.stats["num_cached_prompt_tokens"] > 0
+    assert llm.stats.num_cached_prompt_tokens > 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

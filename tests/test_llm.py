@@ -41,7 +41,7 @@ def test_greedy_equals_transformers_generate(family, backend, pack):
     outputs = run_workload(llm, workload)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
-    assert llm.engine.stats["num_cached_prompt_tokens"] > 0
+    assert llm.stats.num_cached_prompt_tokens > 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -62,14 +62,14 @@ def test_shared_prefix_is_computed_once(budget):
     prompts = [prefix + [300 + i, 301, 302, 303, 304 + i] for i in range(16)]
     llm = LLM(tiny_model(), tokenizer=tiny_tokenizer(), max_num_batched_tokens=budget)
     outputs = llm.generate(prompts, greedy(3), use_tqdm=False)
-    stats = llm.engine.stats
-    assert stats["num_computed_prompt_tokens"] == 160 + 16 * 5
-    assert stats["num_cached_prompt_tokens"] == 15 * 160
+    stats = llm.stats
+    assert stats.num_computed_prompt_tokens == 160 + 16 * 5
+    assert stats.num_cached_prompt_tokens == 15 * 160
     assert sorted(o.metrics.num_cached_tokens for o in outputs) == [0] + [160] * 15
     tree = RadixTree(16)
     for request_id, prompt in enumerate(prompts):
         tree.insert(request_id, prompt)
-    assert tree.stats().num_tokens_to_prefill == stats["num_computed_prompt_tokens"]
+    assert tree.stats().num_tokens_to_prefill == stats.num_computed_prompt_tokens
 
 
 def test_plan_prediction_equals_engine_counters_on_mixed_workload():
@@ -79,7 +79,7 @@ def test_plan_prediction_equals_engine_counters_on_mixed_workload():
     tree = RadixTree(16)
     for request_id, (prompt, _) in enumerate(workload):
         tree.insert(request_id, prompt)
-    assert llm.engine.stats["num_computed_prompt_tokens"] == tree.stats().num_tokens_to_prefill
+    assert llm.stats.num_computed_prompt_tokens == tree.stats().num_tokens_to_prefill
 
 
 @pytest.mark.parametrize("prompt_len", [40, 32])
@@ -89,8 +89,8 @@ def test_n_samples_share_the_prompt(prompt_len):
     params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     llm.generate([prompt[:20] + [500]], greedy(1), use_tqdm=False)  # caches the first block
     [output] = llm.generate([prompt], params, use_tqdm=False)
-    assert llm.engine.stats["num_computed_prompt_tokens"] == 21 + prompt_len - 16
-    assert llm.engine.stats["num_cached_prompt_tokens"] == 16
+    assert llm.stats.num_computed_prompt_tokens == 21 + prompt_len - 16
+    assert llm.stats.num_cached_prompt_tokens == 16
     assert all(c.metrics.num_cached_tokens == 16 for c in output.outputs)
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in output.outputs}) == 4

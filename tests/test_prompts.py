@@ -31,7 +31,7 @@ def test_messages_go_through_the_chat_template_with_the_generation_prompt():
         ([1, -2], "prompt must be a string, a list of token ids or a list of chat messages"),
         ([1, True], "prompt must be a string, a list of token ids or a list of chat messages"),
         ([{"role": "user"}], "message 0 has no 'content' key"),
-        ([{"role": "user", "content": 5}], "message 0 content must be a string, got 5"),
+        ([{"role": "user", "content": 5}], "message 0: .content. has type int, expected str"),
         ([{"role": "", "content": "w1"}], "message 0 has an empty role"),
         ([{"role": "user", "content": "w9"}, "w10"], "prompt must be a string, a list of token ids"),
     ],

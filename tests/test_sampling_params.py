@@ -97,26 +97,4 @@ def test_dict_round_trip():
     assert data["seed"] == 7 and data["stop"] == ["\n\n"]
     data["stop"].append("changed")
     assert params.stop == ["\n\n"]
-    assert SamplingParams.from_dict(params.to_dict()) == params
-
-
-def test_from_dict_uses_defaults_for_missing_keys():
-    assert SamplingParams.from_dict({"temperature": 0}) == SamplingParams(temperature=0.0)
-
-
-def test_from_dict_refuses_unknown_keys_and_lists_allowed_ones():
-    with pytest.raises(ValueError) as excinfo:
-        SamplingParams.from_dict({"temprature": 0.5, "max_tokens": 4})
-    message = str(excinfo.value)
-    assert "temprature" in message
-    assert "allowed keys: n, max_tokens, min_tokens, temperature" in message
-
-
-def test_from_dict_refuses_non_mapping():
-    with pytest.raises(ValueError, match="must be a mapping, got list"):
-        SamplingParams.from_dict([("n", 2)])
-
-
-def test_from_dict_validates_values():
-    with pytest.raises(ValueError, match="top_p must be in"):
-        SamplingParams.from_dict({"top_p": 2})
+    assert SamplingParams(**params.to_dict()) == params

@@ -56,9 +56,6 @@ class BlockManager:
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
-        self._seq_hashes: dict[int, list[BlockHash]] = {}
-        self._num_marked_blocks: dict[int, int] = {}
-        self.pending_copies: list[tuple[int, int]] = []
         self.num_evictions = 0
 
     # ---- counters -------------------------------------------------------------------------
@@ -108,9 +105,9 @@ class BlockManager:
         return tuple(seq.token_ids[start : start + self.block_size])
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
-        """The memoised chained hashes of `seq`'s full blocks, at least its first `num_blocks`
+        """`seq.block_hashes`, extended to cover at least its first `num_blocks` full blocks
         (the list may be longer; callers index only what they need)."""
-        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        hashes = seq.block_hashes
         while len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(hash_block(parent, list(self._block_tokens(seq, len(hashes)))))
@@ -151,7 +148,7 @@ class BlockManager:
     def mark_computed(self, seq: Sequence) -> None:
         """Record that `seq.num_computed_tokens` tokens are written: full blocks become reusable."""
         num_full = seq.num_computed_tokens // self.block_size
-        for index in range(self._num_marked_blocks.get(seq.seq_id, 0), num_full):
+        for index in range(seq.num_marked_blocks, num_full):
             block = self.blocks[seq.block_table[index]]
             if block.is_computed:
                 continue
@@ -160,10 +157,14 @@ class BlockManager:
                 block_hash = self._hashes(seq, index + 1)[index]
                 if block_hash not in self._hash_to_block:
                     self._register(block.block_id, block_hash, self._block_tokens(seq, index))
-        self._num_marked_blocks[seq.seq_id] = num_full
+        seq.num_marked_blocks = num_full
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share `parent`'s blocks with `child`; a partial last block is copied, not shared."""
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Share `parent`'s blocks with `child`; a partial last block is copied, not shared.
+
+        Returns the (source, destination) block copy the next step must make, if any; the
+        caller checks first that a free block exists when the last block is partial.
+        """
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
             self._reference(block_id)
@@ -172,9 +173,8 @@ class BlockManager:
             self.blocks[shared_id].ref_count -= 1
             copy_id = self._take_free_block()
             child.block_table[-1] = copy_id
-            self.pending_copies.append((shared_id, copy_id))
-        self._seq_hashes[child.seq_id] = list(self._seq_hashes.get(parent.seq_id, []))
-        self._num_marked_blocks[child.seq_id] = self._num_marked_blocks.get(parent.seq_id, 0)
+            return shared_id, copy_id
+        return None
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, deepest first; computed hashed blocks stay reusable."""
@@ -192,11 +192,7 @@ class BlockManager:
                 self._free_block_ids.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        self._num_marked_blocks.pop(seq.seq_id, None)
-
-    def forget(self, seq: Sequence) -> None:
-        """Drop the memoised hashes of a sequence that will never be scheduled again."""
-        self._seq_hashes.pop(seq.seq_id, None)
+        seq.num_marked_blocks = 0
 
     # ---- internals -------------------------------------------------------------------------
     def _reference(self, block_id: int) -> None:

@@ -6,6 +6,9 @@ Invariants:
 - Token t's position id is its index in its sequence; its K/V go to the slot given by the
   sequence's block table.
 - Logits are computed only for the last token of sequences that sample after this step.
+- The runner sizes the K/V pool once, at construction: `kv_cache_memory` bytes, else a share
+  of the device's free memory (on CUDA measured after a warm-up forward, so the step's
+  activations are left room).
 """
 
 from __future__ import annotations
@@ -13,12 +16,17 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import psutil
 import torch
 
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.step import ScheduledStep
 from batchgen.kernels.attention import (AttentionMetadata, AttentionStep, make_backend, register,
-                                       shared_prefix_groups)
+                                        shared_prefix_groups)
 from batchgen.kernels.cpu_linear import PackedLinears
-from batchgen.engine.scheduler import ScheduledSeq
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+CUDA_KV_CACHE_FRACTION = 0.85
 
 
 @dataclass
@@ -41,37 +49,60 @@ class KVCacheSpec:
 
 
 class ModelRunner:
-    """Owns the model and the paged K/V pool."""
+    """Owns the model and the paged K/V pool of `num_blocks` blocks."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, backend: str = "auto",
-                 pack_linear_weights: bool = True):
+    def __init__(self, model, config: EngineConfig):
         self.model = model
         self.device = model.device
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.spec = KVCacheSpec.from_model(model)
-        shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.num_blocks = self._num_blocks(config)
+        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
-        self.backend = make_backend(backend, self.device)
+        self.backend = make_backend(config.attention_backend, self.device)
         model.set_attn_implementation(register())
-        self.linears = PackedLinears.pack(model) if pack_linear_weights else None
+        self.linears = PackedLinears.pack(model) if config.pack_linear_weights else None
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        """Blocks in the pool: `kv_cache_memory` bytes, else a share of the device's free memory."""
+        budget = config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            activation_bytes = self._warm_up(config.max_num_batched_tokens)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int((free - activation_bytes) * CUDA_KV_CACHE_FRACTION)
+        elif budget is None:
+            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, psutil.virtual_memory().available // 4)
+        num_blocks = budget // (self.spec.bytes_per_token * self.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {self.block_size} tokens "
+                             f"({self.spec.bytes_per_token} bytes per token)")
+        return num_blocks
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampling sequences, vocab] in `scheduled` order.
+    def _warm_up(self, num_tokens: int) -> int:
+        """Run one forward pass of a full step's tokens; returns its peak activation bytes."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        input_ids = torch.zeros((1, num_tokens), dtype=torch.long, device=self.device)
+        self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        torch.cuda.empty_cache()
+        return peak
 
-        `scheduled` must list one-token sequences first, sorted by block table (see AttentionMetadata).
-        """
-        self._copy_blocks(block_copies)
-        input_ids, positions, metadata, sample_index = self._prepare(scheduled)
-        step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> torch.Tensor:
+        """Run one step; returns float32 logits [num sampling sequences, vocab] in `step.seqs` order."""
+        self._copy_blocks(step.block_copies)
+        input_ids, positions, metadata, logit_indices = self._prepare(step)
+        attention_step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
         with self.linears or contextlib.nullcontext():
             output = self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
                 use_cache=False,
-                logits_to_keep=sample_index,
-                batchgen_step=step,
+                logits_to_keep=logit_indices,
+                batchgen_step=attention_step,
             )
         return output.logits[0].float()
 
@@ -84,11 +115,12 @@ class ModelRunner:
         for cache in (*self.k_caches, *self.v_caches):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
-    def _prepare(self, scheduled: list[ScheduledSeq]):
+    def _prepare(self, step: ScheduledStep):
+        """Flat token ids, position ids, the attention layout, and the rows whose logits are kept."""
         token_ids: list[int] = []
         query_start_loc = [0]
-        query_lens, context_lens, block_tables, sample_index = [], [], [], []
-        for item in scheduled:
+        query_lens, context_lens, block_tables, logit_indices = [], [], [], []
+        for item in step.seqs:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             token_ids.extend(seq.token_ids[start:end])
@@ -97,16 +129,15 @@ class ModelRunner:
             block_tables.append(seq.block_table)
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             if item.is_sampling:
-                sample_index.append(query_start_loc[-1] - 1)
+                logit_indices.append(query_start_loc[-1] - 1)
         device = self.device
-        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
+        seq_of_token = torch.repeat_interleave(torch.arange(len(step.seqs)), torch.tensor(query_lens))
         starts = torch.tensor(context_lens) - torch.tensor(query_lens)
         positions = starts[seq_of_token] + torch.arange(len(token_ids)) - torch.tensor(query_start_loc[:-1])[seq_of_token]
         max_blocks = max(len(table) for table in block_tables)
         table_tensor = torch.tensor([table + [0] * (max_blocks - len(table)) for table in block_tables], dtype=torch.int32)
         slots = table_tensor[seq_of_token, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        num_decode = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        assert all(n != 1 for n in query_lens[num_decode:]), "one-token sequences must come first"
+        num_decode = step.num_decode
         metadata = AttentionMetadata(
             slot_mapping=slots.to(device),
             query_start_loc=query_start_loc,
@@ -123,4 +154,4 @@ class ModelRunner:
             if groups:
                 metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
         return (torch.tensor(token_ids, device=device), positions.to(device), metadata,
-                torch.tensor(sample_index, dtype=torch.long, device=device))
+                torch.tensor(logit_indices, dtype=torch.long, device=device))

@@ -79,15 +79,18 @@ class RadixTree:
         self._root = _Node(ROOT_HASH, (), None, 0, 0)
         self._requests: dict[int, tuple[_Node, int]] = {}  # id -> (end node, num prompt tokens)
 
-    def insert(self, request_id: int, token_ids: list[int]) -> None:
-        """Add one prompt; request ids must be unique."""
+    def insert(self, request_id: int, token_ids: list[int], block_hashes: list[BlockHash] | None = None) -> None:
+        """Add one prompt; request ids must be unique. ``block_hashes``: the prompt's chain
+        (``hash_blocks(token_ids, block_size)``) when the caller has it already."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id} was already inserted")
         index = len(self._requests)
         node = self._root
         node.weight += 1
         size = self.block_size
-        for i, block_hash in enumerate(hash_blocks(token_ids, size)):
+        if block_hashes is None:
+            block_hashes = hash_blocks(token_ids, size)
+        for i, block_hash in enumerate(block_hashes):
             block = tuple(token_ids[i * size : (i + 1) * size])
             child = node.child(block_hash, block)
             if child is None:

@@ -11,29 +11,23 @@ Policy (one readable loop per queue):
    of the rest. A sequence whose next prefix block is being computed by another sequence
    waits (it is skipped this step), so a shared prefix is computed once.
 
-Invariant: the tokens scheduled in one step never exceed the budget, and every scheduled
-sequence's block table covers the tokens it will have computed after the step.
+The protocol is `schedule` (this step's work, a `ScheduledStep`), `postprocess` (after the
+forward pass: the one place where `num_computed_tokens` advances), `fork` (the other samples
+of a request whose prompt is computed) and `finish`.
+
+Invariants: the tokens scheduled in one step never exceed the budget, and every scheduled
+sequence's block table covers the tokens it will have computed after the step; running
+sequences, forked samples included, never exceed `max_num_seqs`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def is_sampling(self) -> bool:
-        """After this step the sequence has computed all its tokens, so it samples one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+from batchgen.engine.step import ScheduledSeq, ScheduledStep
 
 
 class Scheduler:
@@ -49,25 +43,53 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._block_copies: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one: it already holds its blocks."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSeq]:
-        """Pick this step's work; an empty list means nothing can run (the pool is too small)."""
+    def schedule(self) -> ScheduledStep:
+        """Pick this step's work; a step with no sequence means nothing can run (the pool is too small)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         budget = self._schedule_running(scheduled, budget)
         self._schedule_waiting(scheduled, budget)
-        return scheduled
+        copies, self._block_copies = self._block_copies, []
+        return ScheduledStep(scheduled, copies)
+
+    def postprocess(self, step: ScheduledStep) -> int:
+        """Record that the step's tokens are computed (their full blocks become reusable);
+        returns how many of them were prompt tokens."""
+        num_prompt_tokens = 0
+        for item in step.seqs:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            num_prompt_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+            self.block_manager.mark_computed(seq)
+        return num_prompt_tokens
+
+    def fork(self, seq: Sequence, child: Sequence) -> None:
+        """Run `child`, a new sample of `seq` after `seq`'s prompt is computed, sharing its blocks.
+
+        When no sequence slot is left, or its partial last block has no free block to be copied
+        into, the child waits at the front of the queue and recomputes (helped by the cache).
+        """
+        needs_copy = len(seq) % self.block_manager.block_size != 0
+        if len(self.running) >= self.max_num_seqs or (needs_copy and not self.block_manager.can_allocate(1)):
+            child.num_computed_tokens = 0
+            child.num_marked_blocks = 0
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        copy = self.block_manager.fork(seq, child)
+        if copy is not None:
+            self._block_copies.append(copy)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> int:
         index = 0
@@ -134,5 +156,4 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
-        self.block_manager.forget(seq)
         seq.status = SequenceStatus.FINISHED

@@ -8,19 +8,21 @@ Invariants:
 - `num_computed_tokens` tokens have their K/V in the blocks of `block_table`
   (0 while waiting: a preempted sequence recomputes from scratch, helped by the prefix cache).
 - `block_table` covers at least `num_computed_tokens` tokens; it is append-only while running.
+- `block_hashes` is a prefix of the chained hashes of the full blocks of `token_ids` (the
+  planner's chain of the prompt, extended by the block manager as blocks fill); it only grows.
+- The first `num_marked_blocks` blocks of `block_table` are computed and known to the block
+  manager's cache (0 whenever `block_table` is empty).
 """
 
 from __future__ import annotations
 
-import itertools
 from enum import Enum
 
 import torch
 
+from batchgen.engine.block_hash import BlockHash
 from batchgen.outputs import RequestMetrics
 from batchgen.sampling_params import SamplingParams
-
-_seq_ids = itertools.count()
 
 
 class SequenceStatus(Enum):
@@ -40,8 +42,8 @@ class Sequence:
         arrival_time: float,
         sample_index: int = 0,
         generator: torch.Generator | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ):
-        self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.sample_index = sample_index
         self.token_ids = list(prompt_token_ids)
@@ -51,8 +53,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[BlockHash] = list(block_hashes or [])
+        self.num_marked_blocks = 0
         self.num_forks_pending = params.n - 1 if sample_index == 0 else 0
-        self.finish_reason: str | None = None
         self.stop_text_end: int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.last_token_time: float | None = None
@@ -79,12 +82,15 @@ class Sequence:
     def fork(self, sample_index: int, generator: torch.Generator | None) -> Sequence:
         """A new sample of the same request with the same tokens and computed state.
 
-        The caller gives it its own block table (shared blocks, copied partial block).
+        The caller gives it its own block table (shared blocks, copied partial block) or, when
+        it cannot, sends it back to wait with nothing computed.
         """
         child = Sequence(self.request_id, self.token_ids[: self.num_prompt_tokens], self.params,
                          self.metrics.arrival_time, sample_index, generator)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.num_marked_blocks = self.num_marked_blocks
         child.status = self.status
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         child.metrics.num_cached_tokens = self.metrics.num_cached_tokens

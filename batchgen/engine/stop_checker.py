@@ -1,14 +1,15 @@
 """When a sequence stops, and the text it returns.
 
-A sample stops with "stop" on an end-of-sequence token (unless `ignore_eos`), on one of its
+A sample stops with STOP on an end-of-sequence token (unless `ignore_eos`), on one of its
 `stop_token_ids`, or when its text contains one of its `stop` strings (the text is then cut
 before the stop string); none of these count before `min_tokens` output tokens. It stops
-with "length" at `max_tokens` output tokens or at the engine's context limit.
+with LENGTH at `max_tokens` output tokens or at the engine's context limit.
 """
 
 from __future__ import annotations
 
 from batchgen.engine.sequence import Sequence
+from batchgen.outputs import FinishReason
 
 
 class StopChecker:
@@ -18,17 +19,17 @@ class StopChecker:
         self._eos = set(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def finish_reason(self, seq: Sequence) -> str | None:
-        """Checked after each appended token: "stop", "length" or None (keep going)."""
+    def finish_reason(self, seq: Sequence) -> FinishReason | None:
+        """Checked after each appended token: STOP, LENGTH or None (keep going)."""
         params = seq.params
         token = seq.token_ids[-1]
         if seq.num_output_tokens >= params.min_tokens:
             if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if params.stop and self._find_stop_string(seq):
-                return "stop"
+                return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _find_stop_string(self, seq: Sequence) -> bool:

@@ -20,14 +20,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.io.prompts import (
-    OVERRIDE_FIELDS,
-    BadRowError,
-    apply_template,
-    build_prompt,
-    check_prompt,
-    read_overrides,
-)
+from batchgen.io.overrides import read_overrides
+from batchgen.prompts import BadRowError, apply_template, prompt_from_cell, shape_prompt
 
 LINE_ERROR_COLUMN = "__batchgen_line_error__"
 JSON_COLUMNS_KEY = b"batchgen.json_columns"
@@ -42,7 +36,7 @@ class InputRow:
     id: str
     """The id column's value as str, else str(index)."""
     prompt: str | list[dict] | None
-    """Text or chat messages, shaped by `build_prompt`; None when the row is bad."""
+    """Text or chat messages, shaped by `shape_prompt`; None when the row is bad."""
     error: str | None
     """Why the row is bad ("row 7: column 'prompt' is null"), else None."""
     carried: dict
@@ -166,34 +160,6 @@ def input_columns(table: pa.Table) -> list[str]:
     return [name for name in table.column_names if name != LINE_ERROR_COLUMN]
 
 
-def check_columns(table: pa.Table, spec: Any, overrides: dict[str, str] | None = None) -> None:
-    """Raise ValueError naming every column the job needs that the table lacks.
-
-    Needed: spec.prompt_column, spec.id_column (when set), spec.carry_columns, and the
-    columns named by `overrides` (SamplingParams field -> column), whose keys must be
-    SamplingParams fields.
-    """
-    overrides = overrides or {}
-    unknown = [name for name in overrides if name not in OVERRIDE_FIELDS]
-    if unknown:
-        raise ValueError(
-            f"sampling.overrides: {', '.join(map(repr, unknown))} not a SamplingParams field; "
-            f"allowed: {', '.join(OVERRIDE_FIELDS)}"
-        )
-    needed = [(spec.prompt_column, "input.prompt_column")]
-    if spec.id_column:
-        needed.append((spec.id_column, "input.id_column"))
-    needed += [(name, "input.carry_columns") for name in spec.carry_columns]
-    needed += [(column, f"sampling.overrides.{name}") for name, column in overrides.items()]
-    available = input_columns(table)
-    missing = [f"{column!r} ({role})" for column, role in needed if column not in available]
-    if missing:
-        raise ValueError(
-            f"input is missing column(s) {', '.join(missing)}; "
-            f"available columns: {', '.join(available) or '(none)'}"
-        )
-
-
 def carried_fields(table: pa.Table, spec: Any) -> list[pa.Field]:
     """The Arrow fields of the carried columns, in spec order, for `output_schema`."""
     return [table.schema.field(name) for name in spec.carry_columns]
@@ -204,7 +170,7 @@ def iter_rows(
 ) -> Iterator[InputRow]:
     """Yield the first `limit` rows (all when None) in input order, one InputRow each.
 
-    Call `check_columns` first: the columns it checks are assumed present.
+    The columns the spec and `overrides` name are assumed present (the pipeline checks them).
     """
     if limit is not None:
         if limit < 0:
@@ -227,10 +193,10 @@ def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], js
     if line_error is not None:
         return InputRow(index, row_id, None, f"row {index}: {line_error}", carried, {})
     try:
-        prompt = check_prompt(values.get(spec.prompt_column), spec.prompt_column)
+        prompt = prompt_from_cell(values.get(spec.prompt_column), spec.prompt_column)
         if isinstance(prompt, str) and spec.prompt_template:
             prompt = apply_template(spec.prompt_template, prompt, values)
-        prompt = build_prompt(prompt, spec)
+        prompt = shape_prompt(prompt, spec)
         row_overrides = read_overrides(values, overrides)
     except BadRowError as error:
         return InputRow(index, row_id, None, f"row {index}: {error}", carried, {})

@@ -181,14 +181,6 @@ class ShardWriter:
         """Input row indices whose rows are committed (a copy)."""
         return set(self._committed)
 
-    def is_complete(self, num_rows: int) -> bool:
-        """True when input rows 0..num_rows-1 are all committed."""
-        return all(index in self._committed for index in range(num_rows))
-
-    def add(self, row: dict) -> None:
-        """Buffer one output row (n == 1); same as `add_rows([row])`."""
-        self.add_rows([row])
-
     def add_rows(self, rows: list[dict]) -> None:
         """Buffer the rows of whole input rows (all n samples of each in one call).
 

@@ -1,5 +1,6 @@
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.scheduler import ScheduledSeq, Scheduler
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.step import ScheduledSeq
 from batchgen.engine.sequence import Sequence, SequenceStatus
 from batchgen.sampling_params import SamplingParams
 
@@ -18,17 +19,16 @@ def make_scheduler(num_blocks: int, block_size: int = 16, max_num_seqs: int = 8,
 
 def run_step(scheduler: Scheduler) -> list[ScheduledSeq]:
     """Schedule one step and pretend the model ran it: sampling sequences get one new token."""
-    scheduled = scheduler.schedule()
-    sampling = [item.seq for item in scheduled if item.is_sampling]
-    for item in scheduled:
+    step = scheduler.schedule()
+    sampling = step.sampling_seqs
+    for item in step.seqs:
         assert len(item.seq.block_table) * scheduler.block_manager.block_size >= (
             item.seq.num_computed_tokens + item.num_new_tokens
         )
-        item.seq.num_computed_tokens += item.num_new_tokens
-        scheduler.block_manager.mark_computed(item.seq)
+    scheduler.postprocess(step)
     for seq in sampling:
         seq.token_ids.append(OUTPUT_TOKEN)
-    return scheduled
+    return step.seqs
 
 
 def work(scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:

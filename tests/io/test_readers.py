@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.io.readers import carried_fields, check_columns, detect_format, iter_rows, open_table
+from batchgen.io.readers import carried_fields, detect_format, iter_rows, open_table
 
 ROWS = [
     {"qid": "a", "prompt": "What is 2+2?", "topic": "math", "temp": 0.5},
@@ -77,7 +77,6 @@ def test_detect_format_unknown_suffix_names_the_fix(tmp_path):
 def test_every_format_reads_the_same_rows(inputs, name):
     spec = make_spec(inputs[name], id_column="qid", carry_columns=["topic"])
     table = open_table(spec)
-    check_columns(table, spec, {"temperature": "temp"})
     rows = list(iter_rows(table, spec, overrides={"temperature": "temp"}))
     assert [row.index for row in rows] == [0, 1, 2]
     assert [row.id for row in rows] == ["a", "b", "c"]
@@ -129,24 +128,6 @@ def test_carried_fields_keep_input_types():
     table = pa.Table.from_pylist([{"prompt": "x", "score": 1.5, "tags": ["a"]}])
     fields = carried_fields(table, make_spec(carry_columns=["tags", "score"]))
     assert [(f.name, f.type) for f in fields] == [("tags", pa.list_(pa.string())), ("score", pa.float64())]
-
-
-def test_missing_columns_are_named_with_available_ones():
-    table = pa.Table.from_pylist([{"question": "x", "topic": "t"}])
-    spec = make_spec(id_column="qid", carry_columns=["topic", "level"])
-    with pytest.raises(ValueError) as error:
-        check_columns(table, spec, {"max_tokens": "budget"})
-    message = str(error.value)
-    for expected in ["'prompt' (input.prompt_column)", "'qid' (input.id_column)", "'level' (input.carry_columns)",
-                     "'budget' (sampling.overrides.max_tokens)", "available columns: question, topic"]:
-        assert expected in message
-    assert "'topic'" not in message.split(";")[0]
-
-
-def test_unknown_override_field_is_refused():
-    table = pa.Table.from_pylist([{"prompt": "x", "t": 1}])
-    with pytest.raises(ValueError, match="'temp' not a SamplingParams field"):
-        check_columns(table, make_spec(), {"temp": "t"})
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.io import writer as writer_module
-from batchgen.io.schema import output_schema
+from batchgen.io.output_table import output_schema
 from batchgen.io.writer import FINGERPRINT_KEY, JobMismatchError, ShardWriter
 
 SCHEMA = output_schema([pa.field("topic", pa.string())], with_sample_index=False)
@@ -32,7 +32,7 @@ def shard_names(folder) -> list[str]:
 def test_shards_and_manifest_are_committed_every_shard_size_rows(tmp_path):
     writer = open_writer(tmp_path / "out")
     for index in [4, 0, 3]:
-        writer.add(row(index))
+        writer.add_rows([row(index)])
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet"]
     assert writer.committed_indices() == {0, 4}
     writer.finish()
@@ -52,16 +52,16 @@ def test_shards_and_manifest_are_committed_every_shard_size_rows(tmp_path):
 def test_resume_skips_committed_rows_and_refuses_repeats(tmp_path):
     first = open_writer(tmp_path / "out")
     for index in range(5):
-        first.add(row(index))
+        first.add_rows([row(index)])
     # killed here: row 4 was only buffered
     second = open_writer(tmp_path / "out")
     assert second.committed_indices() == {0, 1, 2, 3}
-    assert not second.is_complete(5)
+    assert not set(range(5)) <= second.committed_indices()
     with pytest.raises(ValueError, match=r"row_index \[2\] already written"):
-        second.add(row(2))
-    second.add(row(4))
+        second.add_rows([row(2)])
+    second.add_rows([row(4)])
     second.finish()
-    assert second.is_complete(5)
+    assert set(range(5)) <= second.committed_indices()
     assert sorted(second.read_committed().column("row_index").to_pylist()) == [0, 1, 2, 3, 4]
 
 
@@ -140,7 +140,7 @@ def test_fingerprint_mismatch_is_refused_and_overwrite_replaces(tmp_path):
     assert fresh.committed_indices() == set()
     assert not path.exists()
     assert shard_names(tmp_path / "answers.parquet.shards") == []
-    fresh.add(row(7))
+    fresh.add_rows([row(7)])
     fresh.finish()
     assert pq.read_table(path).column("row_index").to_pylist() == [7]
 
@@ -156,7 +156,7 @@ def test_final_file_is_sorted_and_carries_metadata(tmp_path):
     path = tmp_path / "sub" / "answers.parquet"
     writer = open_writer(path, shard_size=3)
     for index in [5, 1, 4, 0, 3, 2]:
-        writer.add(row(index))
+        writer.add_rows([row(index)])
     assert writer.finish() == path
     table = pq.read_table(path)
     assert table.column("row_index").to_pylist() == [0, 1, 2, 3, 4, 5]
@@ -177,9 +177,9 @@ def test_finish_with_no_rows_writes_an_empty_file(tmp_path):
 def test_rows_are_checked_against_the_schema(tmp_path):
     writer = open_writer(tmp_path / "out")
     with pytest.raises(ValueError, match="unknown column"):
-        writer.add({**row(0), "surprise": 1})
+        writer.add_rows([{**row(0), "surprise": 1}])
     with pytest.raises(ValueError, match="required column 'finish_reason'"):
-        writer.add({**row(0), "finish_reason": None})
+        writer.add_rows([{**row(0), "finish_reason": None}])
     assert writer.committed_indices() == set()
 
 

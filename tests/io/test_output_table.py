@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.io import InputRow
-from batchgen.output_rows import output_rows, percentile, timing_columns
+from batchgen.io.readers import InputRow
+from batchgen.io.output_table import output_rows, percentile, timing_columns
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from batchgen.io.schema import OUTPUT_COLUMNS, output_schema
+from batchgen.io.output_table import OUTPUT_COLUMNS, output_schema
 
 
 def test_column_order_and_types():

@@ -1,0 +1,37 @@
+"""EngineStats: the engine's counters, one typed record.
+
+Token and step counters only grow; pool counters (`num_blocks_*`) are the pool's state after
+the latest step. `num_computed_prompt_tokens` counts prompt positions whose K/V were computed
+(recomputation after preemption included); with a pool large enough for no preemption it
+equals the plan's `num_tokens_to_prefill`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    num_blocks_cached: int = 0
+    num_evictions: int = 0
+    num_preemptions: int = 0
+
+    def since(self, before: EngineStats) -> EngineStats:
+        """The counters' growth since `before` (pool counters: the difference of the two states)."""
+        return EngineStats(**{field.name: getattr(self, field.name) - getattr(before, field.name)
+                              for field in dataclasses.fields(self)})
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of prompt tokens served from the prefix cache (0.0 with no prompt tokens)."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0

@@ -1,0 +1,145 @@
+"""The output table: its columns, defined once, and the rows built from engine outputs.
+
+One row per sample of every input row. Each column is one `OutputColumn` (name, Arrow type,
+nullability, how its value is read from a sample); the Parquet schema and the rows are both
+built from the same list, so they cannot disagree.
+
+Order: row_index, id, the carried input columns, sample_index (only when n > 1), then the
+result and timing columns. `row_index` is the input row number and the sort key of the
+final file; (row_index, sample_index) is unique.
+
+Timing columns are seconds derived from a sample's absolute stamps (``RequestMetrics``):
+``queue_s = first_scheduled - arrival``, ``ttft_s = first_token - arrival``,
+``tpot_s = (finished - first_token) / (num_output_tokens - 1)`` (more than one token),
+``itl_*`` = percentiles of the inter-token latencies, ``e2e_s = finished - arrival``.
+A column whose stamps are missing (an error row) is None.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.io.readers import InputRow
+from batchgen.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
+
+TIMING_NAMES = ("queue_s", "ttft_s", "tpot_s", "itl_p50_s", "itl_p99_s", "itl_max_s", "e2e_s",
+                "arrival_time", "first_token_time", "finished_time")
+
+
+@dataclass
+class Sample:
+    """One sample of one input row: what every column's value is read from."""
+
+    row: InputRow
+    output: RequestOutput
+    completion: CompletionOutput
+
+    @property
+    def is_error(self) -> bool:
+        return self.completion.finish_reason == FinishReason.ERROR
+
+    @functools.cached_property
+    def timing(self) -> dict[str, float | None]:
+        return timing_columns(self.completion.metrics)
+
+
+@dataclass(frozen=True)
+class OutputColumn:
+    name: str
+    type: pa.DataType
+    nullable: bool
+    read: Callable[[Sample], Any]
+
+    @property
+    def field(self) -> pa.Field:
+        return pa.field(self.name, self.type, nullable=self.nullable)
+
+
+def _timing_column(name: str) -> OutputColumn:
+    return OutputColumn(name, pa.float64(), True, lambda sample: sample.timing[name])
+
+
+KEY_COLUMNS = (
+    OutputColumn("row_index", pa.int64(), False, lambda sample: sample.row.index),
+    OutputColumn("id", pa.string(), False, lambda sample: sample.row.id),
+)
+SAMPLE_INDEX_COLUMN = OutputColumn("sample_index", pa.int32(), False, lambda sample: sample.completion.index)
+RESULT_COLUMNS = (
+    OutputColumn("output_text", pa.string(), True,
+                 lambda sample: None if sample.is_error else sample.completion.text),
+    OutputColumn("finish_reason", pa.string(), False, lambda sample: FinishReason(sample.completion.finish_reason).value),
+    OutputColumn("error", pa.string(), True,
+                 lambda sample: (sample.completion.error or sample.output.error) if sample.is_error else None),
+    OutputColumn("num_prompt_tokens", pa.int32(), True,
+                 lambda sample: sample.completion.metrics.num_prompt_tokens or len(sample.output.prompt_token_ids)),
+    OutputColumn("num_cached_tokens", pa.int32(), True, lambda sample: sample.completion.metrics.num_cached_tokens),
+    OutputColumn("num_output_tokens", pa.int32(), True, lambda sample: sample.completion.metrics.num_output_tokens),
+    *(_timing_column(name) for name in TIMING_NAMES),
+)
+
+OUTPUT_COLUMNS: tuple[str, ...] = tuple(c.name for c in (*KEY_COLUMNS, SAMPLE_INDEX_COLUMN, *RESULT_COLUMNS))
+"""Every column batchgen itself writes (sample_index only when n > 1); carried columns come on top."""
+
+
+def output_schema(carried_schema: list[pa.Field], with_sample_index: bool) -> pa.Schema:
+    """The output schema; raises ValueError when a carried column has an output column's name."""
+    clashes = [field.name for field in carried_schema if field.name in OUTPUT_COLUMNS]
+    if clashes:
+        raise ValueError(
+            f"carried column(s) {', '.join(map(repr, clashes))} clash with batchgen's output columns; "
+            "drop them from input.carry_columns"
+        )
+    sample_fields = [SAMPLE_INDEX_COLUMN.field] if with_sample_index else []
+    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields,
+                      *(c.field for c in RESULT_COLUMNS)])
+
+
+def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool) -> list[dict]:
+    """One output row per sample, with the schema's columns."""
+    rows = []
+    for completion in output.outputs:
+        sample = Sample(row, output, completion)
+        values = {column.name: column.read(sample) for column in KEY_COLUMNS}
+        values.update(row.carried)
+        if with_sample_index:
+            values[SAMPLE_INDEX_COLUMN.name] = SAMPLE_INDEX_COLUMN.read(sample)
+        values.update({column.name: column.read(sample) for column in RESULT_COLUMNS})
+        rows.append(values)
+    return rows
+
+
+def is_error_reason(finish_reason: str) -> bool:
+    """Whether a `finish_reason` cell marks an error row."""
+    return finish_reason == FinishReason.ERROR.value
+
+
+def timing_columns(metrics: RequestMetrics) -> dict[str, float | None]:
+    """Latencies in seconds from the absolute stamps, keyed by `TIMING_NAMES`; None where a stamp is missing."""
+    def since_arrival(stamp: float | None) -> float | None:
+        return None if stamp is None else stamp - metrics.arrival_time
+
+    latencies = metrics.inter_token_latencies
+    tpot = None
+    if metrics.num_output_tokens > 1 and metrics.finished_time is not None and metrics.first_token_time is not None:
+        tpot = (metrics.finished_time - metrics.first_token_time) / (metrics.num_output_tokens - 1)
+    values = (since_arrival(metrics.first_scheduled_time), since_arrival(metrics.first_token_time), tpot,
+              percentile(latencies, 50), percentile(latencies, 99), max(latencies, default=None),
+              since_arrival(metrics.finished_time), metrics.arrival_time, metrics.first_token_time,
+              metrics.finished_time)
+    return dict(zip(TIMING_NAMES, values, strict=True))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated ``q``-th percentile (numpy's default method); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

@@ -1,0 +1,95 @@
+"""The plan: every prompt encoded, checked and placed in the prefix tree before any compute.
+
+`build_plan` is the one place prompts become token ids and block-hash chains, and where a
+prompt that cannot run is refused: `LLM.plan` and `LLM.generate` use it with the engine's
+limits, `batchgen plan` with the model's (tokenizer and config only, no weights).
+
+Invariants of a `Plan`:
+- Each request id appears once: in `requests` (in run order: depth-first through the prefix
+  tree, heavier subtrees first) or in `errors` (with the reason, in input order).
+- A planned request has at least one token, fewer than `max_prompt_len + 1`, all ids inside
+  the vocabulary, and `block_hashes == hash_blocks(token_ids, block_size)`: the chain the
+  engine's block manager continues.
+- `stats` are the prefill totals when requests run in plan order and the KV pool holds each
+  shared prefix while its group runs; the engine's counters then equal them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.engine.block_hash import BlockHash, hash_blocks
+from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
+from batchgen.outputs import RequestOutput
+from batchgen.prompts import encode_prompt
+from batchgen.sampling_params import SamplingParams
+
+
+@dataclass
+class PlannedRequest:
+    request_id: int
+    prompt: str | None  # the text of a string prompt, else None
+    token_ids: list[int]
+    block_hashes: list[BlockHash]
+    params: SamplingParams
+
+
+@dataclass
+class PromptError:
+    """A prompt that cannot run: it ends as an output with finish reason ERROR and `message`."""
+
+    request_id: int
+    prompt: str | None
+    n: int
+    message: str
+
+    def output(self, arrival_time: float) -> RequestOutput:
+        return RequestOutput.failed(self.request_id, self.prompt, [], self.n, self.message, arrival_time)
+
+
+@dataclass
+class Plan:
+    block_size: int
+    requests: list[PlannedRequest]
+    errors: list[PromptError]
+    stats: PlanStats
+    tree: RadixTree = field(repr=False)
+    arrival_time: float = field(default_factory=time.time)  # when the prompts were handed in
+
+    def prefix_groups(self, max_groups: int = 10) -> list[PrefixGroup]:
+        """The deepest shared prefixes, most tokens saved first (see `RadixTree.prefix_groups`)."""
+        return self.tree.prefix_groups(max_groups)
+
+
+def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams]], block_size: int,
+               max_prompt_len: int, vocab_size: int) -> Plan:
+    """The plan of `(request_id, prompt, params)` triples; see the module docstring."""
+    arrival_time = time.time()
+    tree = RadixTree(block_size)
+    planned: dict[int, PlannedRequest] = {}
+    errors = []
+    for request_id, prompt, params in requests:
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            token_ids = encode_prompt(tokenizer, prompt)
+            _check_prompt_tokens(token_ids, max_prompt_len, vocab_size)
+        except ValueError as error:
+            errors.append(PromptError(request_id, text, params.n, str(error)))
+            continue
+        block_hashes = hash_blocks(token_ids, block_size)
+        tree.insert(request_id, token_ids, block_hashes)
+        planned[request_id] = PlannedRequest(request_id, text, token_ids, block_hashes, params)
+    ordered = [planned[request_id] for request_id in tree.order()]
+    return Plan(block_size, ordered, errors, tree.stats(), tree, arrival_time)
+
+
+def _check_prompt_tokens(token_ids: list[int], max_prompt_len: int, vocab_size: int) -> None:
+    """Raise ValueError when the encoded prompt is too long or holds an id outside the vocabulary."""
+    if len(token_ids) > max_prompt_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {max_prompt_len}")
+    bad = next((token for token in token_ids if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
