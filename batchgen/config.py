@@ -5,6 +5,8 @@ and ``output`` (see ``jobs/`` for commented examples). Loading is strict: an unk
 or duplicate key, a value of the wrong type or out of range, an invalid sampling
 value or a missing input file raises ``JobConfigError`` whose message reads
 ``<job file>:<line>: <dotted key>: <what is wrong and what is allowed>``.
+The ``engine`` section is the engine's own ``EngineConfig`` (``batchgen.engine.config``), the
+options ``LLM(...)`` takes: the same checks, the same messages, the file and line added here.
 
 Invariants of a returned ``JobConfig``:
 - every value has its declared type and lies in its allowed range;

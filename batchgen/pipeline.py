@@ -6,9 +6,11 @@ Invariants:
 - Every input row of the job ends as output rows (one per sample) exactly once: bad rows
   and rows whose per-row sampling values are invalid become ``finish_reason: error`` rows
   without reaching the engine; committed rows of an earlier run are skipped.
-- ``plan_job`` and ``run_job`` turn rows into prompts, sampling and token ids through the
-  same functions, so the plan's token counts are the run's counters when the KV pool is
-  large enough.
+- ``plan_job`` and ``run_job`` turn rows into prompts and sampling through the same
+  functions and plan them with the same ``build_plan`` (keyed by row index), so the plan's
+  token counts are the run's counters when the KV pool is large enough; every error a plan
+  finds names its row.
+- The pipeline talks to the engine only through ``LLM`` (``plan``, ``run_plan``, ``stats``).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from batchgen import models
 from batchgen.config import JobConfig
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
-from batchgen.io.output_table import is_error_reason, output_rows, output_schema
+from batchgen.io.output_table import num_error_rows, output_rows, output_schema
 from batchgen.io.readers import InputRow, carried_fields, input_columns, iter_rows, open_table
 from batchgen.io.writer import ShardWriter, version_metadata
 from batchgen.llm import LLM
-from batchgen.outputs import RequestOutput
+from batchgen.outputs import FinishReason, RequestOutput
 from batchgen.plan import Plan, build_plan
 from batchgen.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
 from batchgen.sampling_params import SamplingParams
@@ -223,16 +225,14 @@ def load_llm(config: JobConfig) -> LLM:
 
 def _write(writer: ShardWriter, config: JobConfig, row: InputRow, output: RequestOutput, counts: Counter) -> None:
     """Buffer the output rows of one input row and count them as ok or failed."""
-    out_rows = output_rows(row, output, has_sample_index(config))
-    writer.add_rows(out_rows)
-    for out_row in out_rows:
-        counts["failed" if is_error_reason(out_row["finish_reason"]) else "ok"] += 1
+    writer.add_rows(output_rows(row, output, has_sample_index(config)))
+    for completion in output.outputs:
+        counts["failed" if completion.finish_reason == FinishReason.ERROR else "ok"] += 1
 
 
 def count_failed(writer: ShardWriter) -> int:
     """Error rows in everything the output holds."""
-    finish_reasons = writer.read_committed().column("finish_reason").to_pylist()
-    return sum(is_error_reason(reason) for reason in finish_reasons)
+    return num_error_rows(writer.read_committed())
 
 
 def summary_path(config: JobConfig) -> Path:

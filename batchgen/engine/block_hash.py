@@ -32,10 +32,16 @@ def hash_block(parent_hash: BlockHash, token_ids: list[int]) -> BlockHash:
     return BlockHash(xxhash.xxh64_intdigest(data, seed=HASH_SEED))
 
 
-def hash_blocks(token_ids: list[int], block_size: int, parent_hash: BlockHash = ROOT_HASH) -> list[BlockHash]:
+def hash_blocks(token_ids: list[int], block_size: int) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids`` (a trailing partial block has none)."""
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
-        hashes.append(parent_hash)
+    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size)
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,
+                        num_blocks: int) -> list[BlockHash]:
+    """Extend ``hashes``, the chain of the first blocks of ``token_ids``, in place until it holds at
+    least ``num_blocks`` hashes (each of those blocks must be full); returns it."""
+    while len(hashes) < num_blocks:
+        start = len(hashes) * block_size
+        hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, token_ids[start : start + block_size]))
     return hashes

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from batchgen.engine.block_hash import ROOT_HASH, BlockHash, hash_block
+from batchgen.engine.block_hash import BlockHash, extend_block_hashes
 from batchgen.engine.sequence import Sequence
 
 
@@ -107,11 +107,7 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """`seq.block_hashes`, extended to cover at least its first `num_blocks` full blocks
         (the list may be longer; callers index only what they need)."""
-        hashes = seq.block_hashes
-        while len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, list(self._block_tokens(seq, len(hashes)))))
-        return hashes
+        return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, num_blocks)
 
     # ---- allocation protocol: can_allocate / allocate / can_append / append / free -----------
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

@@ -27,6 +27,9 @@ import pyarrow as pa
 from batchgen.io.readers import InputRow
 from batchgen.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 
+ROW_INDEX = "row_index"  # the input row number: the writer's commit key and the final file's sort key
+SAMPLE_INDEX = "sample_index"
+FINISH_REASON = "finish_reason"
 TIMING_NAMES = ("queue_s", "ttft_s", "tpot_s", "itl_p50_s", "itl_p99_s", "itl_max_s", "e2e_s",
                 "arrival_time", "first_token_time", "finished_time")
 
@@ -65,14 +68,14 @@ def _timing_column(name: str) -> OutputColumn:
 
 
 KEY_COLUMNS = (
-    OutputColumn("row_index", pa.int64(), False, lambda sample: sample.row.index),
+    OutputColumn(ROW_INDEX, pa.int64(), False, lambda sample: sample.row.index),
     OutputColumn("id", pa.string(), False, lambda sample: sample.row.id),
 )
-SAMPLE_INDEX_COLUMN = OutputColumn("sample_index", pa.int32(), False, lambda sample: sample.completion.index)
+SAMPLE_INDEX_COLUMN = OutputColumn(SAMPLE_INDEX, pa.int32(), False, lambda sample: sample.completion.index)
 RESULT_COLUMNS = (
     OutputColumn("output_text", pa.string(), True,
                  lambda sample: None if sample.is_error else sample.completion.text),
-    OutputColumn("finish_reason", pa.string(), False, lambda sample: FinishReason(sample.completion.finish_reason).value),
+    OutputColumn(FINISH_REASON, pa.string(), False, lambda sample: FinishReason(sample.completion.finish_reason).value),
     OutputColumn("error", pa.string(), True,
                  lambda sample: (sample.completion.error or sample.output.error) if sample.is_error else None),
     OutputColumn("num_prompt_tokens", pa.int32(), True,
@@ -113,9 +116,9 @@ def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool) -
     return rows
 
 
-def is_error_reason(finish_reason: str) -> bool:
-    """Whether a `finish_reason` cell marks an error row."""
-    return finish_reason == FinishReason.ERROR.value
+def num_error_rows(table: pa.Table) -> int:
+    """Rows of an output table whose finish reason is ERROR."""
+    return table.column(FINISH_REASON).to_pylist().count(FinishReason.ERROR.value)
 
 
 def timing_columns(metrics: RequestMetrics) -> dict[str, float | None]:

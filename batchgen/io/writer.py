@@ -25,6 +25,8 @@ from typing import IO, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.io.output_table import ROW_INDEX, SAMPLE_INDEX
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "batchgen-shards/1"
 FINGERPRINT_KEY = "batchgen.fingerprint"
@@ -173,8 +175,8 @@ class ShardWriter:
     def _read_committed(self) -> set[int]:
         committed: set[int] = set()
         for shard in self._shards:
-            table = pq.read_table(self.shard_dir / shard["file"], columns=["row_index"])
-            committed.update(table.column("row_index").to_pylist())
+            table = pq.read_table(self.shard_dir / shard["file"], columns=[ROW_INDEX])
+            committed.update(table.column(ROW_INDEX).to_pylist())
         return committed
 
     def committed_indices(self) -> set[int]:
@@ -191,7 +193,7 @@ class ShardWriter:
         indices = set()
         for row in rows:
             self._check_row(row)
-            indices.add(row["row_index"])
+            indices.add(row[ROW_INDEX])
         repeated = indices & (self._committed | self._buffered_indices)
         if repeated:
             raise ValueError(f"row_index {sorted(repeated)[:5]} already written to {str(self.output_path)!r}")
@@ -237,7 +239,7 @@ class ShardWriter:
         """Every committed row, sorted by row_index (then sample_index), in this writer's schema."""
         tables = [pq.read_table(self.shard_dir / shard["file"]).cast(self.schema) for shard in self._shards]
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
-        keys = [(name, "ascending") for name in ("row_index", "sample_index") if name in self.schema.names]
+        keys = [(name, "ascending") for name in (ROW_INDEX, SAMPLE_INDEX) if name in self.schema.names]
         return table.sort_by(keys)
 
     def finish(self) -> Path:

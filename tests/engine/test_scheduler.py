@@ -189,3 +189,22 @@ def test_preempted_sequence_reuses_its_cached_blocks():
     assert work(run_step(scheduler)) == [(1, 13 - 8)]
     assert new.num_computed_tokens == 13
     assert new.metrics.num_cached_tokens == 0  # counted at first admission only
+
+
+def test_forked_samples_count_against_max_num_seqs():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=2)
+    parent = Sequence(0, list(range(20)), SamplingParams(n=4, max_tokens=8), arrival_time=0.0)
+    later = make_seq(list(range(100, 110)), 1)
+    scheduler.add(parent)
+    scheduler.add(later)
+    assert work(run_step(scheduler)) == [(0, 20), (1, 10)]
+    children = [parent.fork(index, None) for index in (1, 2, 3)]
+    for child in children[:2]:  # no slot left: they wait, first in line, with nothing computed
+        scheduler.fork(parent, child)
+    assert scheduler.running == [parent, later]
+    assert list(scheduler.waiting) == [children[1], children[0]]
+    assert all(child.status is SequenceStatus.WAITING and child.num_computed_tokens == 0 for child in children[:2])
+    scheduler.finish(later)
+    scheduler.fork(parent, children[2])  # a slot is free: it runs on the parent's blocks
+    assert scheduler.running == [parent, children[2]]
+    assert children[2].block_table[0] == parent.block_table[0]
