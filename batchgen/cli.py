@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
 from batchgen.config import JobConfig, JobConfigError, load_job
-from batchgen.pipeline import open_input, plan_job, run_job
+from batchgen.io.writer import OutputError
+from batchgen.pipeline import check_engine, open_input, plan_job, run_job
 
 JOB_ERROR_EXIT_CODE = 101
+USAGE_ERROR_EXIT_CODE = 102
+INTERRUPTED_EXIT_CODE = 130
+EXIT_CODES_HELP = """\b
+Exit status:
+  0       every output row succeeded (or there was nothing to do)
+  1-100   that many output rows failed (finish_reason error), 100 meaning 100 or more
+  101     the job could not run or finish (bad job file, input, model or output); the
+          message says why, and every committed row is kept
+  102     the command line is wrong (unknown option, missing argument)
+  130     interrupted (Ctrl-C); every committed row is kept, run again to resume"""
 
 
 class JobError(click.ClickException):
@@ -20,7 +32,27 @@ class JobError(click.ClickException):
     exit_code = JOB_ERROR_EXIT_CODE
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class BatchgenGroup(click.Group):
+    """Exit codes that cannot be mistaken for a count of failed rows (see EXIT_CODES_HELP)."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as error:
+            error.show()
+            sys.exit(USAGE_ERROR_EXIT_CODE)
+        except click.ClickException as error:
+            error.show()
+            sys.exit(error.exit_code)
+        except click.Abort:
+            click.echo("interrupted: every committed row is kept; run the same command again to resume", err=True)
+            sys.exit(INTERRUPTED_EXIT_CODE)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+@click.group(cls=BatchgenGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="batchgen")
 def main() -> None:
     """Offline batch generation: a YAML job file in, a Parquet file of answers out.
@@ -47,7 +79,7 @@ def load(job: Path, overrides: dict[str, Any]) -> JobConfig:
         raise JobError(str(error)) from None
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES_HELP)
 @job_argument
 @click.option("--output", type=click.Path(path_type=Path), metavar="PATH",
               help="Write here instead of the job file's output.path (a .parquet file or a folder).")
@@ -59,14 +91,9 @@ def run(job: Path, output: Path | None, limit: int | None, overwrite: bool, no_p
     """Run JOB: read, plan, generate and write every row.
 
     Rows are committed in shards; running the same command again after a crash or a
-    kill resumes where it stopped and never writes a row twice. A summary is printed
-    and saved beside the output as <output>.summary.json.
-
-    \b
-    Exit status:
-      0       every output row succeeded (or there was nothing to do)
-      1-100   that many output rows failed (finish_reason error), 100 meaning 100 or more
-      101     the job could not run (bad job file, input, model or output); nothing was generated
+    kill resumes where it stopped and never writes a row twice. One run at a time holds
+    an output: a second run on it is refused. A summary is printed and saved beside the
+    output as <output>.summary.json.
     """
     overrides: dict[str, Any] = {}
     if output is not None:
@@ -76,7 +103,7 @@ def run(job: Path, output: Path | None, limit: int | None, overwrite: bool, no_p
     config = load(job, overrides)
     try:
         summary = run_job(config, limit=limit, use_tqdm=not no_progress)
-    except JobConfigError as error:
+    except (JobConfigError, OutputError) as error:
         raise JobError(str(error)) from None
     click.echo(summary.to_text())
     click.get_current_context().exit(summary.exit_code)
@@ -103,13 +130,15 @@ def plan(job: Path, limit: int | None, as_json: bool) -> None:
 @main.command()
 @job_argument
 def validate(job: Path) -> None:
-    """Check JOB strictly without loading a model: keys, types, values, input file and columns.
+    """Check JOB strictly without loading a model: keys, types, values, input file and columns,
+    the device, and a KV budget against the model's config.
 
     Exits with 101 and a message naming the line and key when something is wrong.
     """
     config = load(job, {})
     try:
         table, _ = open_input(config)
+        check_engine(config)
     except JobConfigError as error:
         raise JobError(str(error)) from None
     source = config.input.path or config.input.dataset

@@ -43,6 +43,7 @@ from batchgen.config_values import (
     true_or_false,
 )
 from batchgen.engine.config import EngineConfig
+from batchgen.models import DEFAULT_MODEL_ALIASES
 from batchgen.io.readers import detect_format
 from batchgen.sampling_params import SamplingParams
 
@@ -173,7 +174,10 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     job_path = Path(path)
     if not job_path.is_file():
         raise JobConfigError(f"{job_path}: job file not found")
-    source = job_path.read_text()
+    try:
+        source = job_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise JobConfigError(f"{job_path}: not UTF-8 text ({error}); save the job file as UTF-8") from None
     try:
         lines = key_lines(job_path, yaml.compose(source))
         raw = yaml.safe_load(source)
@@ -196,6 +200,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     )
     _resolve_input(locate, config.input, job_path.parent)
     _resolve_output(locate, config.output, job_path.parent)
+    _refuse_output_over_input(locate, config)
     return config
 
 
@@ -224,8 +229,9 @@ def _section(locate: Callable, name: str, value: Any) -> dict:
 
 
 def _model(locate: Callable, value: Any, job_dir: Path) -> str | None:
-    """``null`` (the default model), a local folder or ``.gguf`` file, or a hub id."""
-    if value is None:
+    """``null`` (the default model; ``default`` and ``smollm2`` name it too, and load as null), a local
+    folder or ``.gguf`` file, or a hub id."""
+    if value is None or value in DEFAULT_MODEL_ALIASES:
         return None
     if not isinstance(value, str) or not value:
         raise locate("model", f"expected null, a local model folder, a .gguf file or a hub id, got {value!r}")
@@ -294,3 +300,14 @@ def _resolve_output(locate: Callable, config: OutputConfig, job_dir: Path) -> No
     if config.path is None:
         raise locate("output.path", "required: a .parquet file or a folder for the shards")
     config.path = (job_dir / Path(config.path).expanduser()).resolve()
+
+
+def _refuse_output_over_input(locate: Callable, config: JobConfig) -> None:
+    """The output (its file, its shard folder) must never be, hold or sit inside the job's input."""
+    if config.input.path is None:
+        return
+    source = config.input.path
+    written = [config.output.path, Path(f"{config.output.path}.shards")]
+    if any(path == source or path.is_relative_to(source) or source.is_relative_to(path) for path in written):
+        raise locate("output.path", f"{config.output.path} would write over the job's input {source}; "
+                     "batchgen never writes where it reads: choose another output path")

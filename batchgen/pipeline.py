@@ -1,8 +1,9 @@
 """A job end to end: read -> plan -> run -> write, and the plan alone.
 
 Invariants:
-- Everything that can be wrong with the job itself (file, input, columns, a changed job
-  against an old output) is raised as ``JobConfigError`` before any model is loaded.
+- Everything that can be wrong with the job itself (file, input, columns, device, KV budget,
+  the output path, a changed job against an old output, another run on the same output) is
+  raised as ``JobConfigError`` before any model is loaded.
 - Every input row of the job ends as output rows (one per sample) exactly once: bad rows
   and rows whose per-row sampling values are invalid become ``finish_reason: error`` rows
   without reaching the engine; committed rows of an earlier run are skipped.
@@ -140,26 +141,51 @@ def plan_report(config: JobConfig, plan: Plan, tokenizer: PreTrainedTokenizerBas
     )
 
 
-def job_fingerprint(config: JobConfig) -> str:
-    """Identity of what the output depends on: model, dtype, sampling, input spec and content."""
+def job_description(config: JobConfig) -> dict:
+    """What the output depends on: model, dtype, sampling, input spec and content (the fingerprint's parts)."""
     as_dict = config.to_dict()
     input_spec = {key: value for key, value in as_dict["input"].items() if key != "path"}
-    return fingerprint_job({
+    return {
         "model": config.model,
         "dtype": config.engine.dtype,
         "sampling": as_dict["sampling"],
         "input": input_spec,
         "input_digest": file_digest(config.input.path) if config.input.path else None,
-    })
+    }
 
 
 def open_writer(config: JobConfig, schema: pa.Schema) -> ShardWriter:
+    """The job's output, locked for this run; every refusal names output.path."""
     metadata = {**version_metadata(), "batchgen.model": config.model or models.DEFAULT_MODEL}
+    description = job_description(config)
     try:
-        return ShardWriter(config.output.path, job_fingerprint(config), config.output.shard_size, schema,
-                           config.output.mode, metadata)
+        return ShardWriter(config.output.path, fingerprint_job(description), config.output.shard_size, schema,
+                           config.output.mode, metadata, description)
     except ValueError as error:
         raise config.error("output.path", str(error)) from None
+
+
+def check_engine(config: JobConfig) -> None:
+    """Refuse engine options that cannot work on this machine or model, before any weights load:
+    a device that is not there, a KV budget that holds no block."""
+    try:
+        device = models.resolve_device(config.engine.device)
+    except ValueError as error:
+        raise config.error("engine.device", str(error)) from None
+    budget = config.engine.kv_cache_memory
+    if budget is None:
+        return
+    try:
+        _, model_config = models.load_tokenizer_and_config(config.model)
+    except ValueError as error:
+        raise config.error("model", str(error)) from None
+    dtype = models.resolve_dtype(config.engine.dtype, device)
+    block_bytes = models.kv_cache_bytes_per_token(model_config.get_text_config(), dtype) * config.engine.block_size
+    if budget < block_bytes:
+        raise config.error("engine.kv_cache_memory",
+                           f"{budget} bytes hold no KV block of {config.engine.block_size} tokens for this model "
+                           f"in {str(dtype).removeprefix('torch.')} ({block_bytes} bytes); give at least "
+                           f"a few MiB, such as \"64MiB\", or null for automatic")
 
 
 def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = True) -> JobSummary:
@@ -167,21 +193,22 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
     start_time = time.time()
     table, schema = open_input(config)
     rows = read_rows(config, table, limit)
-    writer = open_writer(config, schema)
-    committed = writer.committed_indices()
-    todo = [row for row in rows if row.index not in committed]
-    if not todo:
+    check_engine(config)
+    with open_writer(config, schema) as writer:
+        committed = writer.committed_indices()
+        todo = [row for row in rows if row.index not in committed]
+        if not todo:
+            writer.finish()
+            return JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=True,
+                              num_input_rows=len(rows), num_skipped_rows=len(rows), num_rows_ok=0,
+                              num_rows_failed=0, num_failed_in_output=count_failed(writer))
+        counts = Counter(ok=0, failed=0)
+        try:
+            engine_stats = generate(config, writer, todo, counts, use_tqdm)
+        except KeyboardInterrupt:
+            writer.flush()  # keep the finished rows: a rerun resumes after them
+            raise
         writer.finish()
-        return JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=True,
-                          num_input_rows=len(rows), num_skipped_rows=len(rows), num_rows_ok=0, num_rows_failed=0,
-                          num_failed_in_output=count_failed(writer))
-    counts = Counter(ok=0, failed=0)
-    try:
-        engine_stats = generate(config, writer, todo, counts, use_tqdm)
-    except KeyboardInterrupt:
-        writer.flush()  # keep the finished rows: a rerun resumes after them
-        raise
-    writer.finish()
     summary = JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=False,
                          num_input_rows=len(rows), num_skipped_rows=len(rows) - len(todo),
                          num_rows_ok=counts["ok"], num_rows_failed=counts["failed"],

@@ -79,6 +79,10 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
         except ValueError as error:
             errors.append(PromptError(request_id, text, params.n, str(error)))
             continue
+        except Exception as error:  # the tokenizer or chat template refused this prompt's content
+            errors.append(PromptError(request_id, text, params.n,
+                                      f"the tokenizer cannot encode this prompt: {type(error).__name__}: {error}"))
+            continue
         block_hashes = hash_blocks(token_ids, block_size)
         tree.insert(request_id, token_ids, block_hashes)
         planned[request_id] = PlannedRequest(request_id, text, token_ids, block_hashes, params)

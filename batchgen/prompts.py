@@ -87,6 +87,8 @@ def _check_message(message: Any, where: str) -> dict:
         raise ValueError(f"{where} has no 'content' key")
     if not isinstance(content, str):
         raise ValueError(f"{where}: 'content' has type {type(content).__name__}, expected str")
+    if not content.strip():
+        raise ValueError(f"{where} has empty content (empty or whitespace only), like an empty prompt")
     return present
 
 

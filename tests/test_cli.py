@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from batchgen import LLM, SamplingParams
 from batchgen.cli import main
+from batchgen.io.manifest import MANIFEST_NAME
 from tests.test_pipeline import ENGINE, PLAIN_RECORDS, line_of, save_tiny_model, words, write_job, write_jsonl
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
@@ -112,14 +113,14 @@ def test_killed_run_resumes_with_every_row_exactly_once(tmp_path, model_dir):
     process = subprocess.Popen([sys.executable, "-c", "from batchgen.cli import main; main()", "run", str(job),
                                 "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        num_committed = wait_for_committed_rows(shard_dir / "manifest.json", 10, process)
+        num_committed = wait_for_committed_rows(shard_dir / MANIFEST_NAME, 10, process)
         os.kill(process.pid, signal.SIGKILL)
     finally:
         process.kill()
         process.wait()
     assert process.returncode == -signal.SIGKILL and num_committed < 40
     committed = {shard.name: shard.read_bytes() for shard in shard_dir.glob("shard-*.parquet")}
-    num_committed = json.loads((shard_dir / "manifest.json").read_text())["num_rows"]
+    num_committed = json.loads((shard_dir / MANIFEST_NAME).read_text())["num_rows"]
     result = invoke("run", job, "--no-progress")
     assert result.exit_code == 0 and f"({num_committed} input rows already done)" in result.output
     assert all((shard_dir / name).read_bytes() == data for name, data in committed.items())

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import JobConfigError, load_job
+from batchgen.io.manifest import MANIFEST_NAME
 from batchgen.pipeline import plan_job, run_job
 from tests.conftest import TINY_VOCAB, tiny_model
 
@@ -299,7 +300,7 @@ def test_interrupted_run_keeps_finished_rows_and_resumes_after_them(tmp_path, mo
     monkeypatch.setattr(LLM, "run_plan", interrupted_after_two)
     with pytest.raises(KeyboardInterrupt):
         run_job(load_job(job), use_tqdm=False)
-    manifest = json.loads((tmp_path / "out" / "answers.parquet.shards" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / "answers.parquet.shards" / MANIFEST_NAME).read_text())
     assert manifest["num_rows"] == 2
     monkeypatch.setattr(LLM, "run_plan", real_run_plan)
     summary = run_job(load_job(job), use_tqdm=False)

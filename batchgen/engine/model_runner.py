@@ -21,6 +21,7 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.step import ScheduledStep
+from batchgen.models import kv_cache_bytes_per_token, kv_cache_shape
 from batchgen.kernels.attention import (AttentionMetadata, AttentionStep, make_backend, register,
                                         shared_prefix_groups)
 from batchgen.kernels.cpu_linear import PackedLinears
@@ -35,17 +36,12 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+    bytes_per_token: int
 
     @classmethod
     def from_model(cls, model) -> KVCacheSpec:
         config = model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, model.dtype)
+        return cls(*kv_cache_shape(config), model.dtype, kv_cache_bytes_per_token(config, model.dtype))
 
 
 class ModelRunner:

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.config_values import template_columns
 from batchgen.io.overrides import read_overrides
 from batchgen.prompts import BadRowError, apply_template, prompt_from_cell, shape_prompt
 
@@ -188,11 +189,12 @@ def iter_rows(
 def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], json_columns: set[str]) -> InputRow:
     line_error = record.pop(LINE_ERROR_COLUMN, None)
     values = {name: _decode(value) if name in json_columns else value for name, value in record.items()}
-    row_id = _row_id(index, values, spec.id_column)
-    carried = {name: record.get(name) for name in spec.carry_columns}
+    row_id = _writable(_row_id(index, values, spec.id_column))
+    carried = {name: _writable(_carried_value(record.get(name), name in json_columns)) for name in spec.carry_columns}
     if line_error is not None:
         return InputRow(index, row_id, None, f"row {index}: {line_error}", carried, {})
     try:
+        _check_unicode(values, _used_columns(spec, overrides))
         prompt = prompt_from_cell(values.get(spec.prompt_column), spec.prompt_column)
         if isinstance(prompt, str) and spec.prompt_template:
             prompt = apply_template(spec.prompt_template, prompt, values)
@@ -205,6 +207,58 @@ def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], js
 
 def _decode(value: Any) -> Any:
     return None if value is None else json.loads(value)
+
+
+def _carried_value(value: Any, is_json: bool) -> Any:
+    """A carried cell as it went in: a JSON-text column (mixed types) gives text back unquoted,
+    and other values as their JSON text."""
+    if not is_json or value is None:
+        return value
+    decoded = json.loads(value)
+    return decoded if isinstance(decoded, str) else value
+
+
+def _used_columns(spec: Any, overrides: dict[str, str]) -> list[str]:
+    """The columns whose cells reach the tokenizer, the template or the writer."""
+    names = [spec.prompt_column, *spec.carry_columns, *overrides.values()]
+    if spec.id_column:
+        names.append(spec.id_column)
+    if spec.prompt_template:
+        names += template_columns(spec.prompt_template)
+    return list(dict.fromkeys(names))
+
+
+def _check_unicode(values: dict, columns: list[str]) -> None:
+    """BadRowError when a used cell holds text that is not valid Unicode (a lone surrogate)."""
+    for column in columns:
+        if not _is_valid_unicode(values.get(column)):
+            raise BadRowError(f"column {column!r} holds text that is not valid Unicode (a lone surrogate, "
+                              "as JSON's \\ud800 escapes can make)")
+
+
+def _is_valid_unicode(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, list):
+        return all(_is_valid_unicode(item) for item in value)
+    if isinstance(value, dict):
+        return all(_is_valid_unicode(key) and _is_valid_unicode(item) for key, item in value.items())
+    return True
+
+
+def _writable(value: Any) -> Any:
+    """`value` with every string made writable as UTF-8 (a lone surrogate becomes its escape, "\\ud800")."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, list):
+        return [_writable(item) for item in value]
+    if isinstance(value, dict):
+        return {_writable(key): _writable(item) for key, item in value.items()}
+    return value
 
 
 def _row_id(index: int, values: dict, id_column: str | None) -> str:

@@ -2,38 +2,47 @@
 
 Layout: an output path ending in ".parquet" keeps its shards in "<path>.shards/" and
 `finish()` assembles the final file from them; any other path is a folder holding the
-shards and the manifest, with no assembly. The shards stay: they are the record that
-makes a re-run resume; the final file is rebuilt from them.
+shards, with the manifest and lock as hidden files, so the folder loads as a Parquet
+dataset as it is (`pq.read_table(folder)`, `pandas.read_parquet`, `datasets`). The shards
+stay: they are the record that makes a re-run resume; the final file is rebuilt from them.
 
 Commit protocol (`flush`): write the shard to a temp file in the shard folder, fsync,
-os.replace it to "shard-NNNNNN.parquet", then replace "manifest.json" the same way.
-The manifest is the truth: a row is committed iff it is in a shard the manifest lists.
-A crash before the manifest update leaves an orphan shard (or a temp file); opening the
-output again deletes both, and their rows are computed again. All samples of one input
-row go into one shard, so "input row i is committed" is all-or-nothing.
+os.replace it to "shard-NNNNNN.parquet", then replace the manifest the same way, and only
+then record the rows as committed in memory; an interrupt (SIGINT) during a commit is held
+until it is complete. The manifest is the truth: a row is committed iff it is in a shard
+the manifest lists. A crash before the manifest update leaves an orphan shard (or a temp
+file); opening the output again deletes both, and their rows are computed again. All
+samples of one input row go into one shard, so "input row i is committed" is all-or-nothing.
+
+Invariants:
+- Only one writer at a time holds an output (`OutputLock`).
+- The writer deletes only what batchgen wrote: shards carrying a batchgen fingerprint, its
+  manifest, its temp files, and a final file carrying a batchgen fingerprint. Any other
+  file where it would write or delete is refused, never touched.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from importlib import metadata as package_metadata
 from pathlib import Path
-from typing import IO, Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.io.commit import atomic_write, deferred_interrupts
+from batchgen.io.manifest import MANIFEST_NAME, TEMP_PREFIX, ManifestError, describe_changes, read_manifest, write_manifest
+from batchgen.io.output_lock import OutputLock
 from batchgen.io.output_table import ROW_INDEX, SAMPLE_INDEX
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "batchgen-shards/1"
 FINGERPRINT_KEY = "batchgen.fingerprint"
-SHARD_TEMP_PREFIX = ".tmp-"
 
 
-class JobMismatchError(ValueError):
+class OutputError(ValueError):
+    """The output cannot be opened, written or assembled; the message says what to do."""
+
+
+class JobMismatchError(OutputError):
     """The output path holds another job's rows (or foreign data) and mode is resume."""
 
 
@@ -52,52 +61,26 @@ def _shard_name(number: int) -> str:
     return f"shard-{number:06d}.parquet"
 
 
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(path: Path, prefix: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Write via a temp file in the same folder, fsync, then os.replace onto `path`.
-
-    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600.
-    """
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=prefix)
+def is_batchgen_file(path: Path) -> bool:
+    """Whether `path` is a Parquet file batchgen wrote (its metadata carries a job fingerprint)."""
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+        metadata = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError):
+        return False
+    return FINGERPRINT_KEY.encode() in metadata
 
 
 class ShardWriter:
-    """Buffers output rows and commits them as shards; see the module docstring."""
+    """Buffers output rows and commits them as shards; see the module docstring.
 
-    def __init__(
-        self,
-        output_path: str | Path,
-        fingerprint: str,
-        shard_size: int,
-        schema: pa.Schema,
-        mode: str = "resume",
-        metadata: dict[str, str] | None = None,
-    ) -> None:
+    `description` (JSON-able: what the fingerprint was made from) is kept in the manifest, so a
+    later run of a changed job is told which part changed. Close the writer (or use it as a
+    context manager) to release the output's lock.
+    """
+
+    def __init__(self, output_path: str | Path, fingerprint: str, shard_size: int, schema: pa.Schema,
+                 mode: str = "resume", metadata: dict[str, str] | None = None,
+                 description: dict[str, Any] | None = None) -> None:
         if mode not in ("resume", "overwrite"):
             raise ValueError(f"output mode must be 'resume' or 'overwrite', got {mode!r}")
         if shard_size < 1:
@@ -105,69 +88,112 @@ class ShardWriter:
         self.output_path = Path(output_path)
         self.is_single_file = self.output_path.suffix == ".parquet"
         self.shard_dir = Path(f"{output_path}.shards") if self.is_single_file else self.output_path
-        if not self.is_single_file and self.output_path.is_file():
-            raise ValueError(f"output {str(output_path)!r} is a file; name a .parquet file or a folder")
         self.fingerprint = fingerprint
         self.shard_size = shard_size
         self.metadata = dict(metadata or {})
+        self.description = description or {}
         self.schema = schema.with_metadata({**self.metadata, FINGERPRINT_KEY: fingerprint})
         self._final_temp_prefix = f".{self.output_path.name}.tmp-"
-        if mode == "overwrite":
-            self._remove_outputs()
-        self.shard_dir.mkdir(parents=True, exist_ok=True)
-        self._shards = self._open_manifest()
-        self._remove_strays()
-        self._committed = self._read_committed()
+        self._check_kind()
+        is_new_dir = not self.shard_dir.exists()
+        try:
+            self.shard_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = OutputLock(self.shard_dir, self.output_path)
+        except OSError as error:
+            raise OutputError(f"cannot write the output {str(self.output_path)!r}: {error}") from None
+        try:
+            self._open(mode)
+        except BaseException:
+            self.close()
+            if is_new_dir:
+                self._lock.path.unlink(missing_ok=True)
+                self.shard_dir.rmdir()
+            raise
         self._buffer: list[dict] = []
         self._buffered_indices: set[int] = set()
 
+    def _check_kind(self) -> None:
+        """Refuse an output path of the wrong kind (a file for a folder output, or the reverse)."""
+        if not self.is_single_file and self.output_path.is_file():
+            raise OutputError(f"output {str(self.output_path)!r} is a file; name a .parquet file or a folder")
+        if self.is_single_file and self.output_path.is_dir():
+            raise OutputError(f"output {str(self.output_path)!r} is a folder, but a .parquet output is one file; "
+                              "remove the folder or choose another output path")
+
+    def _open(self, mode: str) -> None:
+        if mode == "overwrite":
+            self._remove_outputs()
+        self._shards = self._open_manifest()
+        self._remove_strays()
+        self._committed = self._read_committed()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the output's lock (buffered rows that were not flushed are dropped)."""
+        self._lock.release()
+
+    # ---- opening an existing output ----------------------------------------------------------
     def _remove_outputs(self) -> None:
-        """Delete everything a previous job wrote here (and nothing else)."""
+        """Delete everything batchgen wrote here, and nothing else."""
+        self._refuse_foreign_files(listed=set())
         if self.is_single_file:
             self.output_path.unlink(missing_ok=True)
-        if self.shard_dir.is_dir():
-            (self.shard_dir / MANIFEST_NAME).unlink(missing_ok=True)
-            for shard in self.shard_dir.glob("shard-*.parquet"):
-                shard.unlink()
+        (self.shard_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        for shard in self.shard_dir.glob("shard-*.parquet"):
+            shard.unlink()
+
+    def _refuse_foreign_files(self, listed: set[str]) -> None:
+        """Raise when the final file, or a shard-named file the manifest does not list, is not batchgen's."""
+        candidates = [path for path in self.shard_dir.glob("shard-*.parquet") if path.name not in listed]
+        if self.is_single_file and self.output_path.exists():
+            candidates.append(self.output_path)
+        foreign = [path for path in candidates if not is_batchgen_file(path)]
+        if foreign:
+            raise JobMismatchError(
+                f"{str(foreign[0])!r} was not written by batchgen, and batchgen never replaces or deletes files "
+                "it did not write; move it away or choose another output path"
+            )
 
     def _open_manifest(self) -> list[dict]:
         """The committed shards; refuses another job's output."""
         manifest_path = self.shard_dir / MANIFEST_NAME
         if not manifest_path.exists():
             if self.is_single_file and self.output_path.exists():
+                self._refuse_foreign_files(listed=set())
                 raise JobMismatchError(
                     f"{str(self.output_path)!r} exists but has no manifest at {str(manifest_path)!r}, "
                     "so it cannot be resumed; use --overwrite to replace it"
                 )
             return []
         try:
-            manifest = json.loads(manifest_path.read_text())
-            old_fingerprint, shards = manifest["fingerprint"], manifest["shards"]
-        except (ValueError, KeyError, TypeError) as error:
+            manifest = read_manifest(manifest_path)
+        except ManifestError as error:
+            raise JobMismatchError(f"{error}; use --overwrite to replace the output") from None
+        if manifest["fingerprint"] != self.fingerprint:
             raise JobMismatchError(
-                f"cannot read {str(manifest_path)!r} ({error}); use --overwrite to replace the output"
-            ) from error
-        if old_fingerprint != self.fingerprint:
-            described = ", ".join(f"{k}={v}" for k, v in manifest.get("metadata", {}).items())
-            raise JobMismatchError(
-                f"{str(self.output_path)!r} holds {manifest.get('num_rows', '?')} rows of a different job "
-                f"(fingerprint {old_fingerprint[:12]}, {described or 'no metadata'}; this job: "
-                f"{self.fingerprint[:12]}): the model, sampling or input changed. "
+                f"{str(self.output_path)!r} holds {manifest.get('num_rows', '?')} rows of a different job: "
+                f"{describe_changes(manifest.get('description'), self.description)}. "
                 "Use --overwrite to replace it, or choose another output path"
             )
+        shards = manifest["shards"]
         present = [shard for shard in shards if (self.shard_dir / shard["file"]).exists()]
         if len(present) != len(shards):
-            self._shards = present
-            self._write_manifest()
+            self._write_manifest(present)
         return present
 
     def _remove_strays(self) -> None:
-        """Delete orphan shards (not in the manifest) and temp files of a killed run."""
+        """Delete orphan shards (batchgen's, not in the manifest) and temp files of a killed run."""
         listed = {shard["file"] for shard in self._shards}
+        self._refuse_foreign_files(listed)
         for shard in self.shard_dir.glob("shard-*.parquet"):
             if shard.name not in listed:
                 shard.unlink()
-        strays = [*self.shard_dir.glob(f"{SHARD_TEMP_PREFIX}*")]
+        strays = [*self.shard_dir.glob(f"{TEMP_PREFIX}*")]
         strays += self.output_path.parent.glob(f"{self._final_temp_prefix}*")
         for stray in strays:
             stray.unlink()
@@ -179,6 +205,7 @@ class ShardWriter:
             committed.update(table.column(ROW_INDEX).to_pylist())
         return committed
 
+    # ---- writing ---------------------------------------------------------------------------
     def committed_indices(self) -> set[int]:
         """Input row indices whose rows are committed (a copy)."""
         return set(self._committed)
@@ -197,8 +224,9 @@ class ShardWriter:
         repeated = indices & (self._committed | self._buffered_indices)
         if repeated:
             raise ValueError(f"row_index {sorted(repeated)[:5]} already written to {str(self.output_path)!r}")
-        self._buffer.extend(rows)
-        self._buffered_indices |= indices
+        with deferred_interrupts():
+            self._buffer.extend(rows)
+            self._buffered_indices |= indices
         if len(self._buffer) >= self.shard_size:
             self.flush()
 
@@ -217,23 +245,20 @@ class ShardWriter:
         table = pa.Table.from_pylist(self._buffer, schema=self.schema)
         numbers = [int(shard["file"][len("shard-") : -len(".parquet")]) for shard in self._shards]
         name = _shard_name(max(numbers, default=-1) + 1)
-        _atomic_write(self.shard_dir / name, SHARD_TEMP_PREFIX, lambda file: pq.write_table(table, file))
-        num_requests = len(self._buffered_indices)
-        self._shards.append({"file": name, "num_rows": table.num_rows, "num_requests": num_requests})
-        self._write_manifest()
-        self._committed |= self._buffered_indices
-        self._buffer, self._buffered_indices = [], set()
+        shard = {"file": name, "num_rows": table.num_rows, "num_requests": len(self._buffered_indices)}
+        with deferred_interrupts():
+            try:
+                atomic_write(self.shard_dir / name, TEMP_PREFIX, lambda file: pq.write_table(table, file))
+                self._write_manifest([*self._shards, shard])
+            except OSError as error:
+                raise OutputError(f"could not commit a shard to {str(self.shard_dir)!r}: {error}. Every row "
+                                  "committed before is kept: fix the cause and run again to resume") from None
+            self._shards.append(shard)
+            self._committed |= self._buffered_indices
+            self._buffer, self._buffered_indices = [], set()
 
-    def _write_manifest(self) -> None:
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "fingerprint": self.fingerprint,
-            "metadata": self.metadata,
-            "num_rows": sum(shard["num_rows"] for shard in self._shards),
-            "shards": self._shards,
-        }
-        text = json.dumps(manifest, indent=1).encode()
-        _atomic_write(self.shard_dir / MANIFEST_NAME, SHARD_TEMP_PREFIX, lambda file: file.write(text))
+    def _write_manifest(self, shards: list[dict]) -> None:
+        write_manifest(self.shard_dir / MANIFEST_NAME, self.fingerprint, self.metadata, self.description, shards)
 
     def read_committed(self) -> pa.Table:
         """Every committed row, sorted by row_index (then sample_index), in this writer's schema."""
@@ -243,10 +268,22 @@ class ShardWriter:
         return table.sort_by(keys)
 
     def finish(self) -> Path:
-        """Flush; for a .parquet output write the final file atomically. Returns the output path."""
-        self.flush()
-        if self.is_single_file:
-            table = self.read_committed()
-            _atomic_write(self.output_path, self._final_temp_prefix, lambda file: pq.write_table(table, file))
+        """Flush; for a .parquet output write the final file atomically; release the lock (the
+        writer is done). Returns the output path."""
+        with self:
+            self.flush()
+            if self.is_single_file:
+                self._assemble()
         return self.output_path
+
+    def _assemble(self) -> None:
+        """Write the final file from the committed shards, in row order."""
+        self._check_kind()
+        table = self.read_committed()
+        try:
+            atomic_write(self.output_path, self._final_temp_prefix, lambda file: pq.write_table(table, file))
+        except OSError as error:
+            raise OutputError(
+                f"could not write the final file {str(self.output_path)!r}: {error}. Every row is committed "
+                f"in {str(self.shard_dir)!r}: fix the cause and run again to assemble it") from None
 

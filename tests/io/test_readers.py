@@ -246,7 +246,7 @@ def test_mixed_type_override_column_in_jsonl(tmp_path):
     assert rows[0].overrides == {"temperature": 0.2}
     assert rows[1].error.startswith("row 1: column 't' (override for temperature) has str value 'hot'")
     assert rows[2].overrides == {"temperature": 1.0}
-    assert [row.carried["t"] for row in rows] == ["0.2", '"hot"', "1"]
+    assert [row.carried["t"] for row in rows] == ["0.2", "hot", "1"]  # carried as they went in, text unquoted
 
 
 def test_limit_takes_the_first_rows(inputs):

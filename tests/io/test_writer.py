@@ -8,8 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.io import writer as writer_module
+from batchgen.io import commit as commit_module
 from batchgen.io.output_table import output_schema
+from batchgen.io.manifest import MANIFEST_NAME
 from batchgen.io.writer import FINGERPRINT_KEY, JobMismatchError, ShardWriter
 
 SCHEMA = output_schema([pa.field("topic", pa.string())], with_sample_index=False)
@@ -36,7 +37,7 @@ def test_shards_and_manifest_are_committed_every_shard_size_rows(tmp_path):
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet"]
     assert writer.committed_indices() == {0, 4}
     writer.finish()
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
     assert manifest["fingerprint"] == "fp-1"
     assert manifest["metadata"] == METADATA
     assert manifest["num_rows"] == 3
@@ -53,7 +54,7 @@ def test_resume_skips_committed_rows_and_refuses_repeats(tmp_path):
     first = open_writer(tmp_path / "out")
     for index in range(5):
         first.add_rows([row(index)])
-    # killed here: row 4 was only buffered
+    first.close()  # killed here: row 4 was only buffered
     second = open_writer(tmp_path / "out")
     assert second.committed_indices() == {0, 1, 2, 3}
     assert not set(range(5)) <= second.committed_indices()
@@ -87,11 +88,13 @@ def test_orphan_shard_and_temp_files_are_removed_on_resume(tmp_path):
     writer = open_writer(tmp_path / "out")
     writer.add_rows([row(0), row(1)])
     # a crash between the shard rename and the manifest update, and during temp writes
-    pq.write_table(pa.Table.from_pylist([row(2), row(3)], schema=SCHEMA), tmp_path / "out" / "shard-000001.parquet")
+    orphan = pa.Table.from_pylist([row(2), row(3)], schema=SCHEMA.with_metadata({FINGERPRINT_KEY: "fp-1"}))
+    pq.write_table(orphan, tmp_path / "out" / "shard-000001.parquet")
     (tmp_path / "out" / ".tmp-abc").write_bytes(b"half a shard")
+    writer.close()
     resumed = open_writer(tmp_path / "out")
     assert resumed.committed_indices() == {0, 1}
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "shard-000000.parquet"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock", MANIFEST_NAME, "shard-000000.parquet"]
     resumed.add_rows([row(2), row(3)])
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet", "shard-000001.parquet"]
     assert resumed.read_committed().column("row_index").to_pylist() == [0, 1, 2, 3]
@@ -100,17 +103,18 @@ def test_orphan_shard_and_temp_files_are_removed_on_resume(tmp_path):
 def test_crash_during_manifest_update_leaves_an_orphan_that_resume_drops(tmp_path, monkeypatch):
     writer = open_writer(tmp_path / "out")
     writer.add_rows([row(0), row(1)])
-    real_replace = writer_module.os.replace
+    real_replace = commit_module.os.replace
 
     def replace_then_crash_on_manifest(source, target):
-        if str(target).endswith("manifest.json"):
+        if str(target).endswith(MANIFEST_NAME):
             raise KeyboardInterrupt
         real_replace(source, target)
 
-    monkeypatch.setattr(writer_module.os, "replace", replace_then_crash_on_manifest)
+    monkeypatch.setattr(commit_module.os, "replace", replace_then_crash_on_manifest)
     with pytest.raises(KeyboardInterrupt):
         writer.add_rows([row(2), row(3)])
     monkeypatch.undo()
+    writer.close()
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet", "shard-000001.parquet"]
     assert not list((tmp_path / "out").glob(".tmp-*"))
     resumed = open_writer(tmp_path / "out")
@@ -123,9 +127,10 @@ def test_missing_listed_shard_is_dropped_so_its_rows_are_recomputed(tmp_path):
     writer.add_rows([row(0), row(1)])
     writer.add_rows([row(2), row(3)])
     (tmp_path / "out" / "shard-000000.parquet").unlink()
+    writer.close()
     resumed = open_writer(tmp_path / "out")
     assert resumed.committed_indices() == {2, 3}
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
     assert [s["file"] for s in manifest["shards"]] == ["shard-000001.parquet"]
 
 
@@ -147,7 +152,7 @@ def test_fingerprint_mismatch_is_refused_and_overwrite_replaces(tmp_path):
 
 def test_existing_file_without_manifest_is_refused(tmp_path):
     path = tmp_path / "answers.parquet"
-    pq.write_table(pa.table({"x": [1]}), path)
+    pq.write_table(pa.table({"x": [1]}).replace_schema_metadata({FINGERPRINT_KEY: "fp-0"}), path)
     with pytest.raises(JobMismatchError, match="has no manifest"):
         open_writer(path)
 
