@@ -22,6 +22,7 @@ class OutputLockedError(ValueError):
 class OutputLock:
     def __init__(self, shard_dir: Path, output_path: Path):
         self.path = shard_dir / LOCK_NAME
+        self.is_new = not self.path.exists()
         self._file = open(self.path, "a+")  # noqa: SIM115 (held for the writer's lifetime)
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -37,6 +38,10 @@ class OutputLock:
         self._file.write(str(os.getpid()))
         self._file.flush()
 
-    def release(self) -> None:
-        """Release the lock (closing the file releases the flock); safe to call twice."""
+    def release(self, remove_if_new: bool = False) -> None:
+        """Release the lock (closing the file releases the flock); safe to call twice.
+        `remove_if_new`: also delete the lock file when this lock created it (a refused run
+        leaves nothing behind)."""
+        if remove_if_new and self.is_new and not self._file.closed:
+            self.path.unlink(missing_ok=True)
         self._file.close()

@@ -104,9 +104,8 @@ class ShardWriter:
         try:
             self._open(mode)
         except BaseException:
-            self.close()
+            self._lock.release(remove_if_new=True)
             if is_new_dir:
-                self._lock.path.unlink(missing_ok=True)
                 self.shard_dir.rmdir()
             raise
         self._buffer: list[dict] = []
