@@ -42,6 +42,7 @@ from batchgen.config_values import (
     template_columns,
     true_or_false,
 )
+from batchgen.engine import constraints
 from batchgen.engine.config import EngineConfig
 from batchgen.models import DEFAULT_MODEL_ALIASES
 from batchgen.io.readers import detect_format
@@ -253,7 +254,11 @@ def _parse_sampling(locate: Callable, raw: dict) -> SamplingConfig:
     try:
         params = SamplingParams(**kwargs)
     except ValueError as error:
-        raise locate(_blamedoption(str(error), kwargs), str(error)) from None
+        raise locate(_blamed_key(str(error), kwargs), str(error)) from None
+    try:
+        constraints.check(params)
+    except ValueError as error:
+        raise locate(f"sampling.{params.constraint[0]}", str(error)) from None
     return SamplingConfig(params=params, overrides=_parse_overrides(locate, raw.get("overrides"), names))
 
 
@@ -269,7 +274,7 @@ def _parse_overrides(locate: Callable, raw: Any, names: list[str]) -> dict[str, 
     return dict(raw)
 
 
-def _blamedoption(message: str, kwargs: dict[str, Any]) -> str:
+def _blamed_key(message: str, kwargs: dict[str, Any]) -> str:
     """The sampling key a SamplingParams error message names first (else the whole section)."""
     positions = {key: match.start() for key in kwargs if (match := re.search(rf"\b{key}\b", message))}
     return f"sampling.{min(positions, key=positions.get)}" if positions else "sampling"

@@ -58,7 +58,7 @@ class LLM:
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts; give one unique id each")
         engine = self.engine
         return build_plan(self.tokenizer, zip(request_ids, prompts, params_list), self.config.block_size,
-                          engine.max_model_len - 1, engine.vocab_size)
+                          engine.max_model_len - 1, engine.vocab_size, lambda params: engine.constraints.matcher(params))
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -14,6 +14,12 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     ERROR = "error"
 
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 @dataclass
 class RequestMetrics:

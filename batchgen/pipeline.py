@@ -31,7 +31,7 @@ from batchgen import models
 from batchgen.config import JobConfig
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
-from batchgen.io.output_table import num_error_rows, output_rows, output_schema
+from batchgen.io.output_table import arrow_type_of_schema, num_error_rows, output_rows, output_schema
 from batchgen.io.readers import InputRow, carried_fields, input_columns, iter_rows, open_table
 from batchgen.io.writer import ShardWriter, version_metadata
 from batchgen.llm import LLM
@@ -60,10 +60,21 @@ def open_input(config: JobConfig) -> tuple[pa.Table, pa.Schema]:
             raise config.error(key, f"no column {', '.join(map(repr, missing))} in the input; "
                                f"available columns: {', '.join(available) or '(none)'}")
     try:
-        schema = output_schema(carried_fields(table, config.input), has_sample_index(config))
+        schema = output_schema(carried_fields(table, config.input), has_sample_index(config), json_output_type(config))
     except ValueError as error:
         raise config.error("input.carry_columns", str(error)) from None
     return table, schema
+
+
+def json_output_type(config: JobConfig) -> pa.DataType | None:
+    """The output_json column's type: a struct when every row shares one JSON schema it can
+    describe, JSON text when rows bring their own schemas; None without JSON constraints."""
+    if "json_schema" in config.sampling.overrides:
+        return pa.string()
+    schema = config.sampling.params.json_schema
+    if schema is None:
+        return None
+    return arrow_type_of_schema(schema) or pa.string()
 
 
 def has_sample_index(config: JobConfig) -> bool:
@@ -252,7 +263,7 @@ def load_llm(config: JobConfig) -> LLM:
 
 def _write(writer: ShardWriter, config: JobConfig, row: InputRow, output: RequestOutput, counts: Counter) -> None:
     """Buffer the output rows of one input row and count them as ok or failed."""
-    writer.add_rows(output_rows(row, output, has_sample_index(config)))
+    writer.add_rows(output_rows(row, output, has_sample_index(config), json_output_type(config)))
     for completion in output.outputs:
         counts["failed" if completion.finish_reason == FinishReason.ERROR else "ok"] += 1
 

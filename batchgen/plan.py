@@ -7,7 +7,7 @@ limits, `batchgen plan` with the model's (tokenizer and config only, no weights)
 Invariants of a `Plan`:
 - Each request id appears once: in `requests` (in run order: depth-first through the prefix
   tree, heavier subtrees first) or in `errors` (with the reason, in input order).
-- A planned request has at least one token, fewer than `max_prompt_len + 1`, all ids inside
+- A planned request's constraint, if any, compiles; a planned request has at least one token, fewer than `max_prompt_len + 1`, all ids inside
   the vocabulary, and `block_hashes == hash_blocks(token_ids, block_size)`: the chain the
   engine's block manager continues.
 - `stats` are the prefill totals when requests run in plan order and the KV pool holds each
@@ -17,10 +17,11 @@ Invariants of a `Plan`:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.engine import constraints
 from batchgen.engine.block_hash import BlockHash, hash_blocks
 from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.outputs import RequestOutput
@@ -65,8 +66,12 @@ class Plan:
 
 
 def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams]], block_size: int,
-               max_prompt_len: int, vocab_size: int) -> Plan:
-    """The plan of `(request_id, prompt, params)` triples; see the module docstring."""
+               max_prompt_len: int, vocab_size: int,
+               check_constraint: Callable[[SamplingParams], Any] = constraints.check) -> Plan:
+    """The plan of `(request_id, prompt, params)` triples; see the module docstring.
+
+    `check_constraint` raises ValueError for a request whose constraint cannot run (by default
+    the grammar check alone; the engine's compiler also compiles it for its vocabulary)."""
     arrival_time = time.time()
     tree = RadixTree(block_size)
     planned: dict[int, PlannedRequest] = {}
@@ -76,6 +81,8 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
         try:
             token_ids = encode_prompt(tokenizer, prompt)
             _check_prompt_tokens(token_ids, max_prompt_len, vocab_size)
+            if params.constraint is not None:
+                check_constraint(params)
         except ValueError as error:
             errors.append(PromptError(request_id, text, params.n, str(error)))
             continue

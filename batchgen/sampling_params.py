@@ -10,12 +10,14 @@ non-empty strings and ``stop_token_ids`` a list of non-negative ints.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 MAX_SEED = 2**63 - 1
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
 
 @dataclass
@@ -27,6 +29,11 @@ class SamplingParams:
     masks EOS and ``stop_token_ids`` until that many tokens are generated.
     ``repetition_penalty`` follows Hugging Face semantics over prompt and
     output tokens.
+
+    At most one constraint shapes the generated tokens (never the prompt): ``json_schema``
+    (a JSON schema as a dict or a JSON string), ``regex``, ``choice`` (the output is exactly
+    one of these strings) or ``grammar`` (a Lark grammar, llguidance's dialect). Their syntax
+    is checked when the request is planned; an invalid one fails that request alone.
     """
 
     n: int = 1
@@ -42,6 +49,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, ">= 1", lambda v: v >= 1)
@@ -61,6 +72,22 @@ class SamplingParams:
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.json_schema = _check_json_schema(self.json_schema)
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str) or not getattr(self, name)):
+                raise ValueError(f"{name} must be a non-empty str or None, got {_describe(getattr(self, name))}")
+        self.choice = _check_choice(self.choice)
+        constraints = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(constraints) > 1:
+            raise ValueError(f"give at most one of {', '.join(CONSTRAINT_FIELDS)}; got {', '.join(constraints)}")
+
+    @property
+    def constraint(self) -> tuple[str, dict | str | list[str]] | None:
+        """(field name, value) of the constraint on the output, or None."""
+        for name in CONSTRAINT_FIELDS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -117,3 +144,25 @@ def _check_stop_token_ids(stop_token_ids: Any) -> list[int]:
     if not isinstance(stop_token_ids, (list, tuple)):
         raise ValueError(f"stop_token_ids must be a list of int >= 0, got {_describe(stop_token_ids)}")
     return [_check_int("stop_token_ids item", t, ">= 0", lambda v: v >= 0) for t in stop_token_ids]
+
+
+def _check_json_schema(schema: Any) -> dict | None:
+    """A JSON schema as a dict; a JSON string is parsed (the schema's own rules are checked at compile)."""
+    if schema is None or isinstance(schema, dict):
+        return schema
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as error:
+            raise ValueError(f"json_schema is not valid JSON: {error}") from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError(f"json_schema must be a JSON object (a dict or a JSON string), got {_describe(schema)}")
+
+
+def _check_choice(choice: Any) -> list[str] | None:
+    if choice is None:
+        return None
+    if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
+        raise ValueError(f"choice must be a non-empty list of non-empty str, got {_describe(choice)}")
+    return list(choice)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from batchgen.engine.block_hash import BlockHash
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.constraints import Constraints
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.sampler import SamplingRow, make_generator, sample
+from batchgen.engine.sampler import SamplingRow, TokenMasks, make_generator, sample
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
@@ -53,17 +54,27 @@ class LLMEngine:
         self.vocab_size = text_config.vocab_size
         self.max_model_len = min(max_context_len(text_config), num_blocks * config.block_size)
         self.stop_checker = StopChecker(tokenizer, eos_token_ids(model, tokenizer), self.max_model_len)
+        self._constraints: Constraints | None = None
         self._requests: dict[int, _Request] = {}
         self._finished: list[RequestOutput] = []
         self.stats = EngineStats()
         self._update_pool_stats()
+
+    @property
+    def constraints(self) -> Constraints:
+        """The compiler of this model's constraints (built at first use: it indexes the vocabulary)."""
+        if self._constraints is None:
+            self._constraints = Constraints(self.tokenizer, self.vocab_size, self.stop_checker.eos_token_ids)
+        return self._constraints
 
     def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float, block_hashes: list[BlockHash]) -> None:
         """Queue a planned request; `block_hashes` is its prompt's chain from the plan."""
         self._requests[request_id] = _Request(prompt, prompt_token_ids, params.n)
         generator = make_generator(params.seed, 0, self.runner.device) if params.seed is not None else None
-        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, arrival_time, 0, generator, block_hashes))
+        matcher = self.constraints.matcher(params) if params.constraint is not None else None
+        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, arrival_time, 0, generator, block_hashes,
+                                    matcher))
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
@@ -82,18 +93,25 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step.seqs:
             raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting sequence")
-        logits = self.runner.execute(step)
         sampling_seqs = step.sampling_seqs
+        matchers = [seq.constraint for seq in sampling_seqs if seq.constraint is not None]
+        mask_index = {id(seq): i for i, seq in enumerate(s for s in sampling_seqs if s.constraint is not None)}
+        pending_masks = self.constraints.start_masks(matchers) if matchers else None  # filled during the forward
+        logits = self.runner.execute(step)
         self.stats.num_computed_prompt_tokens += self.scheduler.postprocess(step)
-        rows, seqs, logit_rows = [], [], []
+        rows, seqs, logit_rows, masked_rows, mask_rows = [], [], [], [], []
         for row, seq in enumerate(sampling_seqs):
-            for member in [seq, *self._fork(seq)]:
+            for member in [seq, *self._fork(seq)]:  # a fork copies its parent's matcher: same mask
+                if id(seq) in mask_index:
+                    masked_rows.append(len(seqs))
+                    mask_rows.append(mask_index[id(seq)])
                 rows.append(SamplingRow(member.params, member.token_ids, member.num_output_tokens, member.generator))
                 seqs.append(member)
                 logit_rows.append(row)
         if len(logit_rows) != logits.shape[0]:  # n > 1 forks: repeat their rows (a copy of the logits)
             logits = logits[logit_rows]
-        tokens = sample(logits, rows, self.stop_checker.eos_token_ids)
+        masks = TokenMasks(masked_rows, pending_masks.result()[mask_rows]) if pending_masks else None
+        tokens = sample(logits, rows, self.stop_checker.eos_token_ids, masks)
         now = time.time()
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token, now)
@@ -119,6 +137,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
+        if seq.constraint is not None:
+            seq.constraint.consume_token(token)
         metrics = seq.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now

@@ -3,6 +3,7 @@
 One call to ``sample`` picks one token per row of a ``[num_rows, vocab]``
 logits tensor. The steps, in order:
 
+0. constraints: a constrained row's disallowed tokens get ``-inf`` (``TokenMasks``).
 1. min_tokens: rows with fewer than ``min_tokens`` output tokens get ``-inf``
    on every EOS id and every ``stop_token_ids`` entry.
 2. repetition penalty (Hugging Face semantics) over the row's prompt and
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.constraints import apply_masks
 from batchgen.sampling_params import SamplingParams
 
 # Smallest exponential draw used, so that log(q) is always finite.
@@ -64,11 +66,22 @@ def make_generator(seed: int, sample_index: int, device: torch.device | str) -> 
     return generator
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int]) -> list[int]:
+@dataclass
+class TokenMasks:
+    """The allowed tokens of constrained rows: bitmask row i belongs to logits row ``rows[i]``."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int],
+           masks: TokenMasks | None = None) -> list[int]:
     """Pick one token id per row of ``logits`` (``[len(rows), vocab]``, any float dtype)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
     logits = logits.float()
+    if masks is not None and masks.rows:
+        logits = apply_masks(logits, torch.tensor(masks.rows, device=logits.device), masks.bitmask)
     logits = _mask_below_min_tokens(logits, rows, eos_token_ids)
     logits = _apply_repetition_penalty(logits, rows)
     sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]

@@ -43,6 +43,7 @@ class Sequence:
         sample_index: int = 0,
         generator: torch.Generator | None = None,
         block_hashes: list[BlockHash] | None = None,
+        constraint=None,
     ):
         self.request_id = request_id
         self.sample_index = sample_index
@@ -55,6 +56,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[BlockHash] = list(block_hashes or [])
         self.num_marked_blocks = 0
+        self.constraint = constraint  # an llguidance matcher over the output tokens, or None
         self.num_forks_pending = params.n - 1 if sample_index == 0 else 0
         self.stop_text_end: int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
@@ -91,6 +93,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_marked_blocks = self.num_marked_blocks
+        child.constraint = self.constraint.deep_copy() if self.constraint is not None else None
         child.status = self.status
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         child.metrics.num_cached_tokens = self.metrics.num_cached_tokens

@@ -3,6 +3,7 @@
 A sample stops with STOP on an end-of-sequence token (unless `ignore_eos`), on one of its
 `stop_token_ids`, or when its text contains one of its `stop` strings (the text is then cut
 before the stop string); none of these count before `min_tokens` output tokens. It stops
+with STOP as soon as its constraint (JSON schema, regex, choice, grammar) is complete. It stops
 with LENGTH at `max_tokens` output tokens or at the engine's context limit.
 """
 
@@ -23,6 +24,8 @@ class StopChecker:
         """Checked after each appended token: STOP, LENGTH or None (keep going)."""
         params = seq.params
         token = seq.token_ids[-1]
+        if seq.constraint is not None and seq.constraint.is_stopped():
+            return FinishReason.STOP  # the constraint is complete: nothing else may follow
         if seq.num_output_tokens >= params.min_tokens:
             if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
                 return FinishReason.STOP

@@ -18,6 +18,7 @@ A column whose stamps are missing (an error row) is None.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,13 +86,54 @@ RESULT_COLUMNS = (
     *(_timing_column(name) for name in TIMING_NAMES),
 )
 
+OUTPUT_JSON = "output_json"  # after output_text, only for JSON constraints (see `json_column`)
 OUTPUT_COLUMNS: tuple[str, ...] = tuple(c.name for c in (*KEY_COLUMNS, SAMPLE_INDEX_COLUMN, *RESULT_COLUMNS))
-"""Every column batchgen itself writes (sample_index only when n > 1); carried columns come on top."""
+"""Every column batchgen itself always writes (sample_index only when n > 1); carried columns come on top."""
 
 
-def output_schema(carried_schema: list[pa.Field], with_sample_index: bool) -> pa.Schema:
-    """The output schema; raises ValueError when a carried column has an output column's name."""
-    clashes = [field.name for field in carried_schema if field.name in OUTPUT_COLUMNS]
+def json_column(arrow_type: pa.DataType) -> OutputColumn:
+    """output_json: a complete (finish reason STOP) JSON-constrained sample's output, parsed: as
+    `arrow_type` when it is a struct (every row shares one schema), else as JSON text; None when
+    the output was cut or failed."""
+    def read(sample: Sample) -> Any:
+        if sample.completion.finish_reason != FinishReason.STOP:
+            return None
+        try:
+            value = json.loads(sample.completion.text)
+        except ValueError:
+            return None
+        return json.dumps(value, ensure_ascii=False) if pa.types.is_string(arrow_type) else value
+    return OutputColumn(OUTPUT_JSON, arrow_type, True, read)
+
+
+def arrow_type_of_schema(schema: Any) -> pa.DataType | None:
+    """The Arrow type a value valid under this JSON schema fits (objects -> structs, arrays ->
+    lists, string enums -> strings); None for a schema it cannot tell (anyOf, $ref, no type)."""
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if kind is None and "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        kind = "string"
+    if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
+        fields = [(name, arrow_type_of_schema(sub)) for name, sub in schema["properties"].items()]
+        return None if any(t is None for _, t in fields) else pa.struct(fields)
+    if kind == "array":
+        item = arrow_type_of_schema(schema.get("items"))
+        return None if item is None else pa.list_(item)
+    return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}.get(kind)
+
+
+def _result_columns(json_type: pa.DataType | None) -> tuple[OutputColumn, ...]:
+    if json_type is None:
+        return RESULT_COLUMNS
+    return (RESULT_COLUMNS[0], json_column(json_type), *RESULT_COLUMNS[1:])
+
+
+def output_schema(carried_schema: list[pa.Field], with_sample_index: bool,
+                  json_type: pa.DataType | None = None) -> pa.Schema:
+    """The output schema (with output_json of `json_type` when set); raises ValueError when a
+    carried column has an output column's name."""
+    clashes = [field.name for field in carried_schema if field.name in (*OUTPUT_COLUMNS, OUTPUT_JSON)]
     if clashes:
         raise ValueError(
             f"carried column(s) {', '.join(map(repr, clashes))} clash with batchgen's output columns; "
@@ -99,19 +141,21 @@ def output_schema(carried_schema: list[pa.Field], with_sample_index: bool) -> pa
         )
     sample_fields = [SAMPLE_INDEX_COLUMN.field] if with_sample_index else []
     return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields,
-                      *(c.field for c in RESULT_COLUMNS)])
+                      *(c.field for c in _result_columns(json_type))])
 
 
-def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool) -> list[dict]:
-    """One output row per sample, with the schema's columns."""
+def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool,
+                json_type: pa.DataType | None = None) -> list[dict]:
+    """One output row per sample, with the columns of `output_schema(..., with_sample_index, json_type)`."""
     rows = []
+    result_columns = _result_columns(json_type)
     for completion in output.outputs:
         sample = Sample(row, output, completion)
         values = {column.name: column.read(sample) for column in KEY_COLUMNS}
         values.update(row.carried)
         if with_sample_index:
             values[SAMPLE_INDEX_COLUMN.name] = SAMPLE_INDEX_COLUMN.read(sample)
-        values.update({column.name: column.read(sample) for column in RESULT_COLUMNS})
+        values.update({column.name: column.read(sample) for column in result_columns})
         rows.append(values)
     return rows
 

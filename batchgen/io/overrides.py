@@ -47,6 +47,18 @@ def _as_str_list(value: Any) -> list[str]:
     return value
 
 
+def _as_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError
+    return value
+
+
+def _as_schema(value: Any) -> dict | str:
+    if not isinstance(value, (dict, str)):
+        raise TypeError
+    return value
+
+
 def _as_int_list(value: Any) -> list[int]:
     if not isinstance(value, list):
         raise TypeError
@@ -60,6 +72,9 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], str]] = {  # a field's type annota
     "bool": (_as_bool, "a boolean"),
     "list[str]": (_as_str_list, "a string or a list of strings"),
     "list[int]": (_as_int_list, "a list of integers"),
+    "str | None": (_as_str, "a string"),
+    "list[str] | None": (_as_str_list, "a string or a list of strings"),
+    "dict | str | None": (_as_schema, "a JSON schema (an object, or its JSON text)"),
 }
 
 OVERRIDE_KINDS = {field.name: _KINDS[str(field.type)] for field in dataclasses.fields(SamplingParams)}

@@ -1,0 +1,114 @@
+"""Constrained decoding: a request's constraint compiled to a matcher over the vocabulary, and
+the token masks of a step.
+
+The engine is llguidance (a Rust library with no Python dependencies): it compiles JSON
+schemas natively (not through a regex), regexes and Lark grammars, builds a grammar in
+about a millisecond, and fills a step's masks for many requests in parallel threads with
+the GIL released. `scripts/bench_constraint_libraries.py` measures it against outlines-core.
+
+Invariants:
+- `Constraints.check(params)` raises ValueError naming the constraint field when it does
+  not compile; it needs no tokenizer, so a job file's fixed constraint is checked before
+  any model loads. `matcher(params)` compiles once per distinct constraint (then copies).
+- A matcher sees generated tokens only (never the prompt); `fill_masks` writes one bitmask
+  row per matcher (bit t of a row: token t allowed), and `apply_masks` sets every
+  disallowed logit to -inf, so a sampled token always keeps the output valid.
+- JSON is compiled without free whitespace and with ", " / ": " separators, so outputs are
+  compact and end (a schema's own "x-guidance" options win).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
+
+import llguidance
+import llguidance.hf
+import torch
+from llguidance import LLMatcher
+
+from batchgen.sampling_params import SamplingParams
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_CACHED_GRAMMARS = 256
+
+
+def grammar_of(params: SamplingParams) -> str | None:
+    """The llguidance grammar of the request's constraint, or None when it has none."""
+    constraint = params.constraint
+    if constraint is None:
+        return None
+    name, value = constraint
+    if name == "json_schema":
+        return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+    if name == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if name == "choice":
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(option) for option in value))
+    return LLMatcher.grammar_from_lark(value)
+
+
+def check(params: SamplingParams) -> None:
+    """ValueError naming the constraint field when the constraint does not compile."""
+    constraint = params.constraint
+    if constraint is None:
+        return
+    try:
+        grammar = grammar_of(params)
+    except ValueError as error:
+        raise ValueError(f"invalid {constraint[0]}: {error}") from None
+    message = _validate(grammar)
+    if message:
+        raise ValueError(f"invalid {constraint[0]}: {message.strip()}")
+
+
+@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _validate(grammar: str) -> str:
+    return LLMatcher.validate_grammar(grammar)
+
+
+class Constraints:
+    """Matchers for one tokenizer and vocabulary size, and the masks of a step."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+        self._compiled: dict[str, LLMatcher] = {}
+        self._executor = llguidance.LLExecutor()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-masks")
+
+    def matcher(self, params: SamplingParams) -> LLMatcher | None:
+        """A fresh matcher for the request's constraint (None without one); ValueError if invalid."""
+        grammar = grammar_of(params)
+        if grammar is None:
+            return None
+        template = self._compiled.get(grammar)
+        if template is None:
+            check(params)
+            template = LLMatcher(self._tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(f"invalid {params.constraint[0]}: {template.get_error()}")
+            if len(self._compiled) >= MAX_CACHED_GRAMMARS:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[grammar] = template
+        return template.deep_copy()
+
+    def start_masks(self, matchers: list[LLMatcher]) -> Future:
+        """Fill one bitmask row per matcher in a background thread (the forward pass runs meanwhile);
+        the future's result is the int32 [len(matchers), words] bitmask."""
+        def fill() -> torch.Tensor:
+            bitmask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                                   bitmask.shape[1] * bitmask.element_size(), len(matchers))
+            return bitmask
+        return self._pool.submit(fill)
+
+
+def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with every token a row's bitmask disallows set to -inf (rows: the logits rows the
+    bitmask rows belong to, in order); the caller's tensor is not modified."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
+    selected = logits.index_select(0, rows)
+    return logits.index_copy(0, rows, selected.masked_fill(~allowed.to(logits.device), float("-inf")))
