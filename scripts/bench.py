@@ -233,8 +233,24 @@ def ratios_table(ratios: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+MATRIX_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and which of its matrix-relevant flags it has (from /proc/cpuinfo)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor(), []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return model, [flag for flag in MATRIX_FLAGS if flag in flags]
+
+
 def machine_info(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor(), "num_cpus": psutil.cpu_count(),
+    cpu_model, cpu_flags = cpu_model_and_flags()
+    info = {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model,
+            "cpu_flags": cpu_flags, "num_cpus": psutil.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -25,6 +25,7 @@ from functools import lru_cache
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 from llguidance import LLMatcher
 
@@ -108,7 +109,7 @@ class Constraints:
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` with every token a row's bitmask disallows set to -inf (rows: the logits rows the
     bitmask rows belong to, in order); the caller's tensor is not modified."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
-    selected = logits.index_select(0, rows)
-    return logits.index_copy(0, rows, selected.masked_fill(~allowed.to(logits.device), float("-inf")))
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits).view(torch.bool)[:, : logits.shape[1]].to(logits.device)
+    masked = torch.where(allowed, logits.index_select(0, rows), torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_copy(0, rows, masked)

@@ -3,7 +3,8 @@
 One call to ``sample`` picks one token per row of a ``[num_rows, vocab]``
 logits tensor. The steps, in order:
 
-0. constraints: a constrained row's disallowed tokens get ``-inf`` (``TokenMasks``).
+0. constraints: a constrained row's disallowed tokens get ``-inf`` (``TokenMasks``); a greedy
+   row is masked only when its unmasked argmax is disallowed (the same token either way).
 1. min_tokens: rows with fewer than ``min_tokens`` output tokens get ``-inf``
    on every EOS id and every ``stop_token_ids`` entry.
 2. repetition penalty (Hugging Face semantics) over the row's prompt and
@@ -80,17 +81,49 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[in
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
     logits = logits.float()
-    if masks is not None and masks.rows:
-        logits = apply_masks(logits, torch.tensor(masks.rows, device=logits.device), masks.bitmask)
+    greedy_masks, sampled_masks = _split_masks(masks, rows)
+    if sampled_masks.rows:
+        logits = apply_masks(logits, torch.tensor(sampled_masks.rows, device=logits.device), sampled_masks.bitmask)
     logits = _mask_below_min_tokens(logits, rows, eos_token_ids)
     logits = _apply_repetition_penalty(logits, rows)
+    token_ids = logits.argmax(dim=-1)
+    if greedy_masks.rows:
+        token_ids = _constrained_argmax(logits, token_ids, greedy_masks)
     sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if not sampled_rows:
-        return logits.argmax(dim=-1).tolist()
-    token_ids = logits.argmax(dim=-1)
+        return token_ids.tolist()
     index = torch.tensor(sampled_rows, device=logits.device)
     sampled_ids = _sample_non_greedy(logits.index_select(0, index), [rows[i] for i in sampled_rows])
     return token_ids.index_copy(0, index, sampled_ids).tolist()
+
+
+def _split_masks(masks: TokenMasks | None, rows: list[SamplingRow]) -> tuple[TokenMasks, TokenMasks]:
+    """(masks of greedy rows, masks of sampled rows)."""
+    if masks is None:
+        return TokenMasks([], None), TokenMasks([], None)
+    is_greedy = [rows[row].params.is_greedy for row in masks.rows]
+
+    def pick(wanted: bool) -> TokenMasks:
+        picked = [i for i, greedy in enumerate(is_greedy) if greedy is wanted]
+        return TokenMasks([masks.rows[i] for i in picked], masks.bitmask[picked])
+
+    return pick(True), pick(False)
+
+
+def _constrained_argmax(logits: torch.Tensor, token_ids: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """Greedy tokens under the masks: a row whose unmasked argmax is allowed keeps it (it is the
+    masked argmax too); only the other rows pay for a full masked pass."""
+    rows = torch.tensor(masks.rows, device=logits.device)
+    chosen = token_ids.index_select(0, rows).cpu()
+    words = masks.bitmask.gather(1, (chosen // 32).unsqueeze(1)).squeeze(1)
+    is_allowed = ((words >> (chosen % 32).int()) & 1).bool()
+    if bool(is_allowed.all()):
+        return token_ids
+    refused = (~is_allowed).nonzero().squeeze(1)
+    refused_rows = rows.index_select(0, refused.to(rows.device))
+    masked = apply_masks(logits.index_select(0, refused_rows),
+                         torch.arange(len(refused), device=logits.device), masks.bitmask.index_select(0, refused))
+    return token_ids.index_copy(0, refused_rows, masked.argmax(dim=-1))
 
 
 def _mask_below_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int]) -> torch.Tensor:
