@@ -39,19 +39,26 @@ def is_valid(text: str, constraint: dict) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_every_complete_constrained_output_is_valid_in_one_mixed_batch(default_llm, temperature):
-    requests = mixed_requests(200, 50, 50)
-    plain = [(chat(f"Say something about {i}."), {}) for i in range(10)]
-    requests += plain
-    params = [SamplingParams(max_tokens=40, temperature=temperature, seed=i, **constraint)
-              for i, (_, constraint) in enumerate(requests)]
-    outputs = default_llm.generate([prompt for prompt, _ in requests], params, use_tqdm=False)
-    complete = [(o, c) for o, (_, c) in zip(outputs, requests) if c and o.finish_reason == "stop"]
-    assert len(complete) >= 0.7 * (len(requests) - len(plain))
-    assert all(is_valid(output.text, constraint) for output, constraint in complete)
-    assert all(o.error is None for o in outputs)
-    kinds = {next(iter(c)) for _, c in complete}
-    assert kinds == {"json_schema", "regex", "choice"}
+def test_every_complete_constrained_output_is_valid_in_one_mixed_job(tmp_path, temperature):
+    import pyarrow.parquet as pq
+
+    from batchgen.config import load_job
+    from batchgen.pipeline import run_job
+
+    requests = mixed_requests(200, 50, 50) + [(chat(f"Say something about {i}."), {}) for i in range(10)]
+    records = [{"prompt": prompt[0]["content"], "schema": json.dumps(c["json_schema"]) if "json_schema" in c else None,
+                "pattern": c.get("regex"), "options": c.get("choice")} for prompt, c in requests]
+    overrides = {"json_schema": "schema", "regex": "pattern", "choice": "options"}
+    sampling = {"temperature": temperature, "top_p": 0.95, "seed": 7, "overrides": overrides}
+    summary = run_job(load_job(constrained_job(tmp_path, sampling, records)), use_tqdm=False)
+    assert summary.num_rows_failed == 0
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    complete = [(row, c) for row, (_, c) in zip(rows, requests) if c and row["finish_reason"] == "stop"]
+    assert len(complete) >= 0.7 * 300
+    assert all(is_valid(row["output_text"], constraint) for row, constraint in complete)
+    assert all(json.loads(row["output_json"]) == json.loads(row["output_text"])
+               for row, constraint in complete if "json_schema" in constraint)
+    assert {next(iter(c)) for _, c in complete} == {"json_schema", "regex", "choice"}
 
 
 def reference_greedy(model, tokenizer, prompt_ids: list[int], grammar: str, eos_ids: list[int],
@@ -97,7 +104,7 @@ def test_constraints_with_samples_stop_strings_and_a_cached_prefix(default_llm):
     prompts = [chat(prefix + f"Question {i}: is it good?") for i in range(3)]
     default_llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     cached_before = default_llm.stats.num_cached_prompt_tokens
-    choice = SamplingParams(n=3, temperature=1.0, seed=5, choice=["good", "bad", "unsure"], max_tokens=8)
+    choice = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=5, choice=["good", "bad", "unsure"], max_tokens=8)
     with_stop = SamplingParams(temperature=0, regex=r"(yes|no), because [a-z ]{2,40}\.", stop=[","], max_tokens=30)
     outputs = default_llm.generate(prompts, [choice, choice, with_stop], use_tqdm=False)
     assert default_llm.stats.num_cached_prompt_tokens > cached_before
