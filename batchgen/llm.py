@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -20,9 +21,10 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
 from batchgen.models import load_model
-from batchgen.outputs import RequestOutput
+from batchgen.outputs import RequestOutput, ScoreOutput
 from batchgen.plan import Plan, build_plan
 from batchgen.sampling_params import SamplingParams
+from batchgen.scoring import encode_pair, encode_text, prefix_token_id, rolling_windows
 
 
 class LLM:
@@ -56,9 +58,13 @@ class LLM:
         request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
         if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts; give one unique id each")
+        return self._plan(zip(request_ids, prompts, params_list))
+
+    def _plan(self, requests: Iterable[tuple[int, Any, SamplingParams]],
+              scores: dict[int, tuple[int, list[int]]] | None = None) -> Plan:
         engine = self.engine
-        return build_plan(self.tokenizer, zip(request_ids, prompts, params_list), self.config.block_size,
-                          engine.max_model_len - 1, engine.vocab_size, lambda params: engine.constraints.matcher(params))
+        return build_plan(self.tokenizer, requests, self.config.block_size, engine.max_model_len - 1,
+                          engine.vocab_size, lambda params: engine.constraints.matcher(params), scores)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -74,13 +80,58 @@ class LLM:
             yield error.output(plan.arrival_time)
         yield from self.run_plan(plan, use_tqdm)
 
+    def score(self, pairs: Sequence[tuple], use_tqdm: bool = True) -> list[ScoreOutput]:
+        """The log-likelihood of each (context, continuation) pair, in input order (lm-eval's
+        `loglikelihood`; see `batchgen.scoring`). Pairs sharing a context, or part of one, compute
+        it once; a bad pair gets an output with `error` set, the rest are scored."""
+        pairs = list(pairs)
+        prompts, scores, errors = [], {}, {}
+        for request_id, pair in enumerate(pairs):
+            try:
+                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                    raise ValueError(f"a pair must be (context, continuation), got {type(pair).__name__}")
+                context_ids, continuation_ids = encode_pair(self.tokenizer, *pair)
+            except ValueError as error:
+                errors[request_id] = str(error)
+                prompts.append(None)
+                continue
+            scored = context_ids + continuation_ids
+            scores[request_id] = (len(context_ids), scored)
+            prompts.append(scored[:-1])
+        params = SamplingParams(max_tokens=1)
+        plan = self._plan(((i, prompts[i], params) for i in scores), scores)
+        for error in plan.errors:
+            errors[error.request_id] = error.message
+        outputs = {output.request_id: output for output in self.run_plan(plan, use_tqdm)}
+        return [ScoreOutput(i, 0.0, False, 0, errors[i]) if i in errors else score_of(i, outputs[i])
+                for i in range(len(pairs))]
+
+    def score_rolling(self, texts: Sequence[str], use_tqdm: bool = True) -> list[ScoreOutput]:
+        """The log-likelihood of each whole text (lm-eval's `loglikelihood_rolling`): disjoint
+        windows of at most the model's context length, scored as pairs and summed."""
+        pairs, owners = [], []
+        prefix = prefix_token_id(self.tokenizer)
+        for index, text in enumerate(texts):
+            token_ids = encode_text(self.tokenizer, text) if isinstance(text, str) else []
+            for window in rolling_windows(token_ids, prefix, self.engine.max_model_len) if token_ids else [((), ())]:
+                pairs.append((list(window[0]), list(window[1])))
+                owners.append(index)
+        results = [ScoreOutput(index, 0.0, True, 0) for index in range(len(texts))]
+        for owner, output in zip(owners, self.score(pairs, use_tqdm)):
+            total = results[owner]
+            error = total.error or output.error
+            results[owner] = ScoreOutput(owner, total.logprob + output.logprob, total.is_greedy and output.is_greedy,
+                                         total.num_tokens + output.num_tokens, error)
+        return results
+
     def run_plan(self, plan: Plan, use_tqdm: bool = True) -> Iterator[RequestOutput]:
         """Run the plan's requests in its order, yielding each output as it finishes (its
         errors are the caller's); the bar shows this call's output tok/s and prefix hit rate."""
         before = dataclasses.replace(self.stats)
         for request in plan.requests:
             self.engine.add_request(request.request_id, request.prompt, request.token_ids, request.params,
-                                    plan.arrival_time, request.block_hashes)
+                                    plan.arrival_time, request.block_hashes, request.logprob_start,
+                                    request.scored_token_ids)
         start_time = time.time()
         with tqdm(total=len(plan.requests), desc="requests", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished():
@@ -118,3 +169,11 @@ def normalize_params(params, num_prompts: int) -> list[SamplingParams]:
     if len(params) != num_prompts:
         raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts; give one, or one per prompt")
     return params
+
+
+def score_of(request_id: int, output: RequestOutput) -> ScoreOutput:
+    """A scoring request's output as a pair's score (its scored positions are the continuation)."""
+    if output.error is not None:
+        return ScoreOutput(request_id, 0.0, False, 0, output.error)
+    entries = [next(iter(entry.values())) for entry in output.prompt_logprobs if entry is not None]
+    return ScoreOutput(request_id, sum(e.logprob for e in entries), all(e.rank == 1 for e in entries), len(entries))

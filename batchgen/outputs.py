@@ -39,9 +39,22 @@ class RequestMetrics:
     inter_token_latencies: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model (raw logits, before any sampling transform) and
+    its rank in that distribution (1: the most likely token)."""
+
+    logprob: float
+    rank: int
+
+
+TokenLogprobs = dict[int, Logprob]
+"""One position: the actual token's entry first, then the top-k alternatives (token id -> Logprob)."""
+
+
 @dataclass
 class CompletionOutput:
-    """One sample of a request."""
+    """One sample of a request. `logprobs`: one entry per generated token when asked for."""
 
     index: int
     text: str
@@ -49,6 +62,7 @@ class CompletionOutput:
     finish_reason: FinishReason
     error: str | None
     metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -64,6 +78,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None: not scored)
 
     @classmethod
     def failed(cls, request_id: int, prompt: str | None, prompt_token_ids: list[int], n: int, message: str,
@@ -93,3 +108,19 @@ class RequestOutput:
     @property
     def metrics(self) -> RequestMetrics:
         return self.outputs[0].metrics
+
+
+@dataclass
+class ScoreOutput:
+    """The log-likelihood of one (context, continuation) pair: lm-eval's loglikelihood contract.
+
+    `logprob` is the sum of the continuation tokens' log-probabilities; `is_greedy` says
+    whether each of them was the model's most likely token. `error` is set (and the numbers
+    are 0 / False) when the pair could not be scored.
+    """
+
+    request_id: int
+    logprob: float
+    is_greedy: bool
+    num_tokens: int
+    error: str | None = None

@@ -36,6 +36,8 @@ class PlannedRequest:
     token_ids: list[int]
     block_hashes: list[BlockHash]
     params: SamplingParams
+    logprob_start: int | None = None  # first position whose token's logprob is wanted
+    scored_token_ids: list[int] | None = None  # a scoring request's tokens: the prompt and one more
 
 
 @dataclass
@@ -67,11 +69,16 @@ class Plan:
 
 def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams]], block_size: int,
                max_prompt_len: int, vocab_size: int,
-               check_constraint: Callable[[SamplingParams], Any] = constraints.check) -> Plan:
+               check_constraint: Callable[[SamplingParams], Any] = constraints.check,
+               scores: dict[int, tuple[int, list[int]]] | None = None) -> Plan:
     """The plan of `(request_id, prompt, params)` triples; see the module docstring.
 
     `check_constraint` raises ValueError for a request whose constraint cannot run (by default
-    the grammar check alone; the engine's compiler also compiles it for its vocabulary)."""
+    the grammar check alone; the engine's compiler also compiles it for its vocabulary).
+    `scores` maps the ids of scoring requests (nothing generated) to (position of the first
+    scored token, the scored tokens: the prompt and one more); their prefix reuse stops before
+    the first scored token."""
+    scores = scores or {}
     arrival_time = time.time()
     tree = RadixTree(block_size)
     planned: dict[int, PlannedRequest] = {}
@@ -80,7 +87,8 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
         text = prompt if isinstance(prompt, str) else None
         try:
             token_ids = encode_prompt(tokenizer, prompt)
-            _check_prompt_tokens(token_ids, max_prompt_len, vocab_size)
+            # a scoring request generates nothing: it may fill the whole context
+            _check_prompt_tokens(token_ids, max_prompt_len + (request_id in scores), vocab_size)
             if params.constraint is not None:
                 check_constraint(params)
         except ValueError as error:
@@ -91,8 +99,11 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
                                       f"the tokenizer cannot encode this prompt: {type(error).__name__}: {error}"))
             continue
         block_hashes = hash_blocks(token_ids, block_size)
-        tree.insert(request_id, token_ids, block_hashes)
-        planned[request_id] = PlannedRequest(request_id, text, token_ids, block_hashes, params)
+        logprob_start, scored = scores.get(request_id, (1 if params.prompt_logprobs is not None else None, None))
+        max_reused = len(token_ids) - 1 if logprob_start is None else logprob_start - 1
+        tree.insert(request_id, token_ids, block_hashes, max_reused)
+        planned[request_id] = PlannedRequest(request_id, text, token_ids, block_hashes, params, logprob_start,
+                                             scored)
     ordered = [planned[request_id] for request_id in tree.order()]
     return Plan(block_size, ordered, errors, tree.stats(), tree, arrival_time)
 

@@ -34,6 +34,11 @@ class SamplingParams:
     (a JSON schema as a dict or a JSON string), ``regex``, ``choice`` (the output is exactly
     one of these strings) or ``grammar`` (a Lark grammar, llguidance's dialect). Their syntax
     is checked when the request is planned; an invalid one fails that request alone.
+
+    ``logprobs=k`` returns each generated token's log-probability and the top-k alternatives;
+    ``prompt_logprobs=k`` the same for every prompt token but the first. Both are of the raw
+    model distribution. A request with ``prompt_logprobs`` recomputes its own prompt (cached
+    positions have no logits to give); its blocks still serve every other request.
     """
 
     n: int = 1
@@ -53,6 +58,8 @@ class SamplingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, ">= 1", lambda v: v >= 1)
@@ -77,6 +84,9 @@ class SamplingParams:
             if getattr(self, name) is not None and (not isinstance(getattr(self, name), str) or not getattr(self, name)):
                 raise ValueError(f"{name} must be a non-empty str or None, got {_describe(getattr(self, name))}")
         self.choice = _check_choice(self.choice)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _check_int(name, getattr(self, name), ">= 0 or None", lambda v: v >= 0))
         constraints = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(constraints) > 1:
             raise ValueError(f"give at most one of {', '.join(CONSTRAINT_FIELDS)}; got {', '.join(constraints)}")

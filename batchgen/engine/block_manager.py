@@ -78,10 +78,10 @@ class BlockManager:
 
     # ---- prefix lookup ----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Computed cached blocks `seq` can reuse (at most `(len(seq) - 1) // block_size`)."""
+        """Computed cached blocks `seq` can reuse (at most `seq.num_reusable_tokens // block_size`)."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], False)
-        max_blocks = (len(seq) - 1) // self.block_size
+        max_blocks = seq.num_reusable_tokens // self.block_size
         hashes = self._hashes(seq, max_blocks)
         block_ids: list[int] = []
         for index in range(max_blocks):

@@ -21,6 +21,7 @@ from batchgen.engine.block_hash import BlockHash
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Constraints
+from batchgen.engine.logprobs import token_logprobs
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sampler import SamplingRow, TokenMasks, make_generator, sample
 from batchgen.engine.scheduler import Scheduler
@@ -68,13 +69,16 @@ class LLMEngine:
         return self._constraints
 
     def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float, block_hashes: list[BlockHash]) -> None:
-        """Queue a planned request; `block_hashes` is its prompt's chain from the plan."""
+                    params: SamplingParams, arrival_time: float, block_hashes: list[BlockHash],
+                    logprob_start: int | None = None, scored_token_ids: list[int] | None = None) -> None:
+        """Queue a planned request; `block_hashes` is its prompt's chain from the plan.
+        `logprob_start`: the first position to score; `scored_token_ids`: a scoring request's tokens
+        (its prompt and one more): it is scored from `logprob_start` on and generates nothing."""
         self._requests[request_id] = _Request(prompt, prompt_token_ids, params.n)
         generator = make_generator(params.seed, 0, self.runner.device) if params.seed is not None else None
         matcher = self.constraints.matcher(params) if params.constraint is not None else None
         self.scheduler.add(Sequence(request_id, prompt_token_ids, params, arrival_time, 0, generator, block_hashes,
-                                    matcher))
+                                    matcher, logprob_start, scored_token_ids is not None, scored_token_ids))
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
@@ -93,12 +97,43 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step.seqs:
             raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting sequence")
-        sampling_seqs = step.sampling_seqs
+        layout = [(item.seq, item.logprob_positions, item.is_sampling) for item in step.seqs]
+        finishing = step.sampling_seqs
+        sampling_seqs = [seq for seq in finishing if not seq.is_scoring]
         matchers = [seq.constraint for seq in sampling_seqs if seq.constraint is not None]
-        mask_index = {id(seq): i for i, seq in enumerate(s for s in sampling_seqs if s.constraint is not None)}
         pending_masks = self.constraints.start_masks(matchers) if matchers else None  # filled during the forward
-        logits = self.runner.execute(step)
+        logits = self._score_prompts(layout, self.runner.execute(step))
         self.stats.num_computed_prompt_tokens += self.scheduler.postprocess(step)
+        now = time.time()
+        for seq in finishing:
+            if seq.is_scoring:  # scored, nothing to generate
+                self.stats.num_cached_prompt_tokens += seq.metrics.num_cached_tokens
+                self._finish(seq, FinishReason.STOP, now)
+        if len(sampling_seqs) != len(finishing):
+            logits = logits[[row for row, seq in enumerate(finishing) if not seq.is_scoring]]
+        if sampling_seqs:
+            self._sample(sampling_seqs, logits, pending_masks.result() if pending_masks else None, now)
+        self.stats.num_steps += 1
+        self._update_pool_stats()
+
+    def _score_prompts(self, layout: list, logits):
+        """Record the prompt logprobs of this step's scored positions; returns the sampling rows'
+        logits (one per sampling sequence, in step order)."""
+        row, sampling_rows = 0, []
+        for seq, positions, is_sampling in layout:
+            if positions:
+                targets = [seq.scored_token_ids[position + 1] for position in positions]
+                seq.prompt_logprobs += token_logprobs(logits[row : row + len(positions)], targets,
+                                                      seq.params.prompt_logprobs or 0)
+                row += len(positions)
+            if is_sampling:
+                sampling_rows.append(row)
+                row += 1
+        return logits if len(sampling_rows) == logits.shape[0] else logits[sampling_rows]
+
+    def _sample(self, sampling_seqs: list[Sequence], logits, bitmask, now: float) -> None:
+        """Fork, sample one token for each sequence (and fork) under its constraint, append it."""
+        mask_index = {id(seq): i for i, seq in enumerate(s for s in sampling_seqs if s.constraint is not None)}
         rows, seqs, logit_rows, masked_rows, mask_rows = [], [], [], [], []
         for row, seq in enumerate(sampling_seqs):
             for member in [seq, *self._fork(seq)]:  # a fork copies its parent's matcher: same mask
@@ -110,13 +145,15 @@ class LLMEngine:
                 logit_rows.append(row)
         if len(logit_rows) != logits.shape[0]:  # n > 1 forks: repeat their rows (a copy of the logits)
             logits = logits[logit_rows]
-        masks = TokenMasks(masked_rows, pending_masks.result()[mask_rows]) if pending_masks else None
+        masks = TokenMasks(masked_rows, bitmask[mask_rows]) if bitmask is not None else None
         tokens = sample(logits, rows, self.stop_checker.eos_token_ids, masks)
-        now = time.time()
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if wanted:
+            for i, entry in zip(wanted, token_logprobs(logits[wanted], [tokens[i] for i in wanted],
+                                                       max(seqs[i].params.logprobs for i in wanted))):
+                seqs[i].output_logprobs.append(_top(entry, seqs[i].params.logprobs))
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token, now)
-        self.stats.num_steps += 1
-        self._update_pool_stats()
 
     def _update_pool_stats(self) -> None:
         pool, stats = self.block_manager, self.stats
@@ -158,10 +195,20 @@ class LLMEngine:
         seq.metrics.finished_time = now
         request = self._requests[seq.request_id]
         text = self.stop_checker.output_text(seq)
+        logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
         request.completions.append(
-            CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, None, seq.metrics))
+            CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, None, seq.metrics, logprobs))
         if len(request.completions) == request.n:
             del self._requests[seq.request_id]
             request.completions.sort(key=lambda c: c.index)
+            prompt_logprobs = None
+            if seq.logprob_start is not None:
+                prompt_logprobs = [None] * seq.logprob_start + seq.prompt_logprobs
             self._finished.append(RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids,
-                                                request.completions))
+                                                request.completions, prompt_logprobs=prompt_logprobs))
+
+
+def _top(entry: dict, num_top: int) -> dict:
+    """The chosen token's entry and the `num_top` best alternatives (entries are best-first after the first)."""
+    items = list(entry.items())
+    return dict(items[:1] + [item for item in items[1:] if item[1].rank <= num_top])

@@ -5,7 +5,8 @@ Invariants:
   decode sequences (one new token) first, then prefill chunks.
 - Token t's position id is its index in its sequence; its K/V go to the slot given by the
   sequence's block table.
-- Logits are computed only for the last token of sequences that sample after this step.
+- Logits are computed only for the last token of sequences that sample after this step, and
+  for the prompt positions a request scores (`ScheduledSeq.logprob_positions`), chunk by chunk.
 - The runner sizes the K/V pool once, at construction: `kv_cache_memory` bytes, else a share
   of the device's free memory (on CUDA measured after a warm-up forward, so the step's
   activations are left room).
@@ -88,7 +89,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampling sequences, vocab] in `step.seqs` order."""
+        """Run one step; returns float32 logits in `step.seqs` order: for each sequence its
+        `logprob_positions` rows, then its last row when it samples."""
         self._copy_blocks(step.block_copies)
         input_ids, positions, metadata, logit_indices = self._prepare(step)
         attention_step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
@@ -123,7 +125,9 @@ class ModelRunner:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             block_tables.append(seq.block_table)
-            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            first_row = query_start_loc[-1]
+            logit_indices.extend(first_row + position - start for position in item.logprob_positions)
+            query_start_loc.append(first_row + item.num_new_tokens)
             if item.is_sampling:
                 logit_indices.append(query_start_loc[-1] - 1)
         device = self.device

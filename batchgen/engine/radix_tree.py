@@ -77,11 +77,14 @@ class RadixTree:
         assert block_size >= 1, "block_size must be >= 1"
         self.block_size = block_size
         self._root = _Node(ROOT_HASH, (), None, 0, 0)
-        self._requests: dict[int, tuple[_Node, int]] = {}  # id -> (end node, num prompt tokens)
+        self._requests: dict[int, tuple[_Node, int, int]] = {}  # id -> (end node, tokens, max reused tokens)
 
-    def insert(self, request_id: int, token_ids: list[int], block_hashes: list[BlockHash] | None = None) -> None:
+    def insert(self, request_id: int, token_ids: list[int], block_hashes: list[BlockHash] | None = None,
+               max_reused_tokens: int | None = None) -> None:
         """Add one prompt; request ids must be unique. ``block_hashes``: the prompt's chain
-        (``hash_blocks(token_ids, block_size)``) when the caller has it already."""
+        (``hash_blocks(token_ids, block_size)``) when the caller has it already;
+        ``max_reused_tokens``: how many leading tokens may come from the cache (default all but
+        the last; fewer for a request that scores its prompt)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id} was already inserted")
         index = len(self._requests)
@@ -99,7 +102,8 @@ class RadixTree:
             child.weight += 1
             node = child
         node.request_ids.append(request_id)
-        self._requests[request_id] = (node, len(token_ids))
+        max_reused = len(token_ids) - 1 if max_reused_tokens is None else max_reused_tokens
+        self._requests[request_id] = (node, len(token_ids), max(max_reused, 0))
 
     def order(self) -> list[int]:
         """Run order: depth-first; at each node its own requests, then children heavier first."""
@@ -115,7 +119,8 @@ class RadixTree:
         """Prefill totals when requests run in ``order()`` and no cached block is evicted.
 
         A request reuses the blocks of its path already computed by an earlier
-        request, at most ``(L - 1) // block_size`` of them. Computed blocks are
+        request, at most ``max_reused_tokens // block_size`` of them (``(L - 1) // block_size``
+        by default). Computed blocks are
         marked walking up from each request's end node until a marked one, so
         the whole walk is linear in the number of nodes plus requests.
         """
@@ -123,13 +128,13 @@ class RadixTree:
         num_prompt_tokens = 0
         num_tokens_to_prefill = 0
         for request_id in self.order():
-            node, num_tokens = self._requests[request_id]
+            node, num_tokens, max_reused = self._requests[request_id]
             num_reused = node.depth
             while node is not self._root and node not in computed:
                 computed.add(node)
                 num_reused -= 1
                 node = node.parent
-            num_reused = min(num_reused, max(num_tokens - 1, 0) // self.block_size)
+            num_reused = min(num_reused, max_reused // self.block_size)
             num_prompt_tokens += num_tokens
             num_tokens_to_prefill += num_tokens - num_reused * self.block_size
         num_cached_tokens = num_prompt_tokens - num_tokens_to_prefill

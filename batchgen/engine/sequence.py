@@ -8,6 +8,8 @@ Invariants:
 - `num_computed_tokens` tokens have their K/V in the blocks of `block_table`
   (0 while waiting: a preempted sequence recomputes from scratch, helped by the prefix cache).
 - `block_table` covers at least `num_computed_tokens` tokens; it is append-only while running.
+- `prompt_logprobs` holds one entry per prompt position from `logprob_start` on, each scored
+  once (a recomputation after preemption adds none).
 - `block_hashes` is a prefix of the chained hashes of the full blocks of `token_ids` (the
   planner's chain of the prompt, extended by the block manager as blocks fill); it only grows.
 - The first `num_marked_blocks` blocks of `block_table` are computed and known to the block
@@ -44,6 +46,9 @@ class Sequence:
         generator: torch.Generator | None = None,
         block_hashes: list[BlockHash] | None = None,
         constraint=None,
+        logprob_start: int | None = None,
+        is_scoring: bool = False,
+        scored_token_ids: list[int] | None = None,
     ):
         self.request_id = request_id
         self.sample_index = sample_index
@@ -57,6 +62,13 @@ class Sequence:
         self.block_hashes: list[BlockHash] = list(block_hashes or [])
         self.num_marked_blocks = 0
         self.constraint = constraint  # an llguidance matcher over the output tokens, or None
+        self.logprob_start = logprob_start  # first prompt position whose token's logprob is wanted
+        self.is_scoring = is_scoring  # prompt logprobs only: finishes once its prompt is computed
+        # the tokens scored from logprob_start on: the prompt, or for a scoring request the prompt and
+        # one token more (the last scored token is never an input)
+        self.scored_token_ids = list(prompt_token_ids) if scored_token_ids is None else scored_token_ids
+        self.prompt_logprobs: list = []  # TokenLogprobs of scored positions logprob_start, ...
+        self.output_logprobs: list = []  # TokenLogprobs of each generated token (params.logprobs)
         self.num_forks_pending = params.n - 1 if sample_index == 0 else 0
         self.stop_text_end: int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
@@ -72,6 +84,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Prompt tokens whose K/V may come from the prefix cache: all but the last (its logits
+        are needed), or all before the first scored position's predecessor."""
+        if self.logprob_start is not None:
+            return max(self.logprob_start - 1, 0)
+        return len(self.token_ids) - 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -22,6 +22,17 @@ class ScheduledSeq:
     num_new_tokens: int
 
     @property
+    def logprob_positions(self) -> range:
+        """Positions p of this chunk whose logits score token p + 1 of `seq.scored_token_ids` (each
+        position once: those scored before a preemption are not scored again)."""
+        seq = self.seq
+        if seq.logprob_start is None:
+            return range(0)
+        first = max(seq.num_computed_tokens, seq.logprob_start - 1 + len(seq.prompt_logprobs))
+        end = min(seq.num_computed_tokens + self.num_new_tokens, seq.num_prompt_tokens, len(seq.scored_token_ids) - 1)
+        return range(first, end)
+
+    @property
     def is_sampling(self) -> bool:
         """After this step the sequence has computed all its tokens, so it samples one."""
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
