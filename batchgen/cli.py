@@ -143,3 +143,27 @@ def validate(job: Path) -> None:
         raise JobError(str(error)) from None
     source = config.input.path or config.input.dataset
     click.echo(f"{job}: ok ({table.num_rows:,} rows from {source}, output {config.output.path})")
+
+
+@main.command("eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("lm_eval_args", nargs=-1, type=click.UNPROCESSED)
+def eval_command(lm_eval_args: tuple[str, ...]) -> None:
+    """Evaluate with lm-evaluation-harness, batchgen as the model: lm-eval's own command line
+    (`--tasks`, `--model_args pretrained=...,dtype=float32`, `--limit`, ...) with `--model batchgen`.
+
+    \b
+    Example:  batchgen eval --tasks hellaswag --model_args dtype=float32 --limit 100
+    Needs the lm-eval extra: pip install 'batchgen[lm-eval]'.
+    """
+    try:
+        from lm_eval._cli import HarnessCLI
+
+        import batchgen.integrations.lm_eval  # noqa: F401 (registers the "batchgen" model)
+    except ImportError:
+        raise JobError("batchgen eval needs lm-evaluation-harness: pip install 'batchgen[lm-eval]'") from None
+    if any(arg == "--help" or arg == "-h" for arg in lm_eval_args) or not lm_eval_args:
+        click.echo(click.get_current_context().get_help())
+        return
+    sys.argv = ["lm-eval", "run", "--model", "batchgen", *lm_eval_args]
+    cli = HarnessCLI()
+    cli.execute(cli.parse_args())

@@ -159,3 +159,9 @@ def test_real_default_model_job_equals_llm_generate(tmp_path, default_llm):
     rows = pq.read_table(tmp_path / "out" / "answers.parquet").to_pylist()
     assert [row["output_text"] for row in rows] == [output.text for output in expected]
     assert [row["n"] for row in rows] == [0, 1, 2]
+
+
+def test_eval_without_lm_eval_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval._cli", None)  # an import of it now fails, as without the extra
+    result = invoke("eval", "--tasks", "x")
+    assert result.exit_code == 101 and "pip install 'batchgen[lm-eval]'" in result.output

@@ -1,0 +1,1 @@
+"""Integrations with other tools: lm-evaluation-harness (`batchgen.integrations.lm_eval`)."""
