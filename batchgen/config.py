@@ -70,6 +70,8 @@ class InputConfig:
     prompt_template: str | None = option(None, or_null(format_template))
     apply_chat_template: bool = option(True, true_or_false)
     carry_columns: list[str] = option([], column_names)
+    continuation_column: str | None = option(None, or_null(non_empty_text))  # task: score
+    choices_column: str | None = option(None, or_null(non_empty_text))  # task: score
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -105,6 +107,7 @@ class JobConfig:
     input: InputConfig
     sampling: SamplingConfig
     output: OutputConfig
+    task: str = "generate"
     key_lines: dict[str, int] = field(default_factory=dict, repr=False)
 
     def error(self, key: str, message: str) -> JobConfigError:
@@ -122,11 +125,15 @@ class JobConfig:
             columns["input.prompt_template"] = [name for name in names if name != "prompt"]
         for name, column in self.sampling.overrides.items():
             columns[f"sampling.overrides.{name}"] = [column]
+        for key in ("continuation_column", "choices_column"):
+            if getattr(self.input, key):
+                columns[f"input.{key}"] = [getattr(self.input, key)]
         return columns
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (paths as strings), e.g. for fingerprints and summaries."""
         return {
+            "task": self.task,
             "model": self.model,
             "engine": dataclasses.asdict(self.engine),
             "input": {**dataclasses.asdict(self.input), "path": _str_or_none(self.input.path)},
@@ -166,7 +173,8 @@ def key_lines(job_path: Path, node: yaml.Node | None, prefix: str = "") -> dict[
     return lines
 
 
-TOP_KEYS = ("model", "engine", "input", "sampling", "output")
+TOP_KEYS = ("model", "engine", "input", "sampling", "output", "task")
+TASKS = ("generate", "score")
 
 
 def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
@@ -189,7 +197,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     _apply_overrides(raw, lines, overrides or {})
     locate = lambda key, message: _locate(job_path, lines, key, message)  # noqa: E731
     _refuse_unknown(locate, "", raw, TOP_KEYS)
-    sections = {name: _section(locate, name, raw.get(name)) for name in TOP_KEYS[1:]}
+    sections = {name: _section(locate, name, raw.get(name)) for name in TOP_KEYS[1:5]}
     config = JobConfig(
         job_path=job_path,
         model=_model(locate, raw.get("model"), job_path.parent),
@@ -197,11 +205,13 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
         input=_parse_fields(locate, "input", InputConfig, sections["input"]),
         sampling=_parse_sampling(locate, sections["sampling"]),
         output=_parse_fields(locate, "output", OutputConfig, sections["output"]),
+        task=_task(locate, raw.get("task", "generate")),
         key_lines=lines,
     )
     _resolve_input(locate, config.input, job_path.parent)
     _resolve_output(locate, config.output, job_path.parent)
     _refuse_output_over_input(locate, config)
+    _check_task(locate, config, sections["sampling"])
     return config
 
 
@@ -316,3 +326,29 @@ def _refuse_output_over_input(locate: Callable, config: JobConfig) -> None:
     if any(path == source or path.is_relative_to(source) or source.is_relative_to(path) for path in written):
         raise locate("output.path", f"{config.output.path} would write over the job's input {source}; "
                      "batchgen never writes where it reads: choose another output path")
+
+
+def _task(locate: Callable, value: Any) -> str:
+    if value not in TASKS:
+        raise locate("task", f"expected one of: {', '.join(TASKS)}, got {value!r}")
+    return value
+
+
+def _check_task(locate: Callable, config: JobConfig, raw_sampling: dict) -> None:
+    """task: score reads a context (the prompt, as plain text) and a continuation or choices
+    column, and generates nothing; task: generate reads neither column."""
+    spec = config.input
+    named = [key for key in ("continuation_column", "choices_column") if getattr(spec, key)]
+    if config.task == "generate":
+        if named:
+            raise locate(f"input.{named[0]}", "only used with task: score")
+        return
+    if len(named) != 1:
+        raise locate("input.continuation_column" if not named else f"input.{named[1]}",
+                     "task: score needs exactly one of input.continuation_column (one continuation per row) "
+                     "and input.choices_column (a list of choices per row)")
+    if raw_sampling:
+        raise locate("sampling", "not used with task: score (nothing is generated)")
+    if "input.apply_chat_template" in config.key_lines and spec.apply_chat_template:
+        raise locate("input.apply_chat_template", "not used with task: score: a context is scored as plain text")
+    spec.apply_chat_template = False

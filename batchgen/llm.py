@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -22,9 +21,9 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
 from batchgen.models import load_model
 from batchgen.outputs import RequestOutput, ScoreOutput
-from batchgen.plan import Plan, build_plan
+from batchgen.plan import Plan, build_plan, build_score_plan
 from batchgen.sampling_params import SamplingParams
-from batchgen.scoring import encode_pair, encode_text, prefix_token_id, rolling_windows
+from batchgen.scoring import encode_text, prefix_token_id, rolling_windows
 
 
 class LLM:
@@ -58,13 +57,9 @@ class LLM:
         request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
         if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts; give one unique id each")
-        return self._plan(zip(request_ids, prompts, params_list))
-
-    def _plan(self, requests: Iterable[tuple[int, Any, SamplingParams]],
-              scores: dict[int, tuple[int, list[int]]] | None = None) -> Plan:
         engine = self.engine
-        return build_plan(self.tokenizer, requests, self.config.block_size, engine.max_model_len - 1,
-                          engine.vocab_size, lambda params: engine.constraints.matcher(params), scores)
+        return build_plan(self.tokenizer, zip(request_ids, prompts, params_list), self.config.block_size,
+                          engine.max_model_len - 1, engine.vocab_size, lambda params: engine.constraints.matcher(params))
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -84,27 +79,21 @@ class LLM:
         """The log-likelihood of each (context, continuation) pair, in input order (lm-eval's
         `loglikelihood`; see `batchgen.scoring`). Pairs sharing a context, or part of one, compute
         it once; a bad pair gets an output with `error` set, the rest are scored."""
+        return sorted(self.iter_score(pairs, use_tqdm=use_tqdm), key=lambda output: output.request_id)
+
+    def iter_score(self, pairs: Iterable[tuple], request_ids: Iterable[int] | None = None,
+                   use_tqdm: bool = True) -> Iterator[ScoreOutput]:
+        """Yield each pair's ScoreOutput as soon as it is scored (bad pairs first); `request_ids`
+        default to the input positions."""
         pairs = list(pairs)
-        prompts, scores, errors = [], {}, {}
-        for request_id, pair in enumerate(pairs):
-            try:
-                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                    raise ValueError(f"a pair must be (context, continuation), got {type(pair).__name__}")
-                context_ids, continuation_ids = encode_pair(self.tokenizer, *pair)
-            except ValueError as error:
-                errors[request_id] = str(error)
-                prompts.append(None)
-                continue
-            scored = context_ids + continuation_ids
-            scores[request_id] = (len(context_ids), scored)
-            prompts.append(scored[:-1])
-        params = SamplingParams(max_tokens=1)
-        plan = self._plan(((i, prompts[i], params) for i in scores), scores)
+        request_ids = list(range(len(pairs))) if request_ids is None else list(request_ids)
+        engine = self.engine
+        plan = build_score_plan(self.tokenizer, zip(request_ids, pairs, strict=True), self.config.block_size,
+                                engine.max_model_len - 1, engine.vocab_size)
         for error in plan.errors:
-            errors[error.request_id] = error.message
-        outputs = {output.request_id: output for output in self.run_plan(plan, use_tqdm)}
-        return [ScoreOutput(i, 0.0, False, 0, errors[i]) if i in errors else score_of(i, outputs[i])
-                for i in range(len(pairs))]
+            yield ScoreOutput(error.request_id, 0.0, False, 0, error.message)
+        for output in self.run_plan(plan, use_tqdm):
+            yield score_of(output.request_id, output)
 
     def score_rolling(self, texts: Sequence[str], use_tqdm: bool = True) -> list[ScoreOutput]:
         """The log-likelihood of each whole text (lm-eval's `loglikelihood_rolling`): disjoint

@@ -31,14 +31,15 @@ from batchgen import models
 from batchgen.config import JobConfig
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
-from batchgen.io.output_table import arrow_type_of_schema, num_error_rows, output_rows, output_schema
+from batchgen.io.output_table import arrow_type_of_schema, num_error_rows, output_rows, output_schema, score_schema
 from batchgen.io.readers import InputRow, carried_fields, input_columns, iter_rows, open_table
 from batchgen.io.writer import ShardWriter, version_metadata
 from batchgen.llm import LLM
 from batchgen.outputs import FinishReason, RequestOutput
-from batchgen.plan import Plan, build_plan
+from batchgen.plan import Plan, build_plan, build_score_plan
 from batchgen.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
 from batchgen.sampling_params import SamplingParams
+from batchgen.score_job import pair_error, run_scoring, score_pairs, write_failed_row
 
 MAX_PREFIX_GROUPS = 5
 MAX_ORDER_IDS = 10
@@ -60,7 +61,11 @@ def open_input(config: JobConfig) -> tuple[pa.Table, pa.Schema]:
             raise config.error(key, f"no column {', '.join(map(repr, missing))} in the input; "
                                f"available columns: {', '.join(available) or '(none)'}")
     try:
-        schema = output_schema(carried_fields(table, config.input), has_sample_index(config), json_output_type(config))
+        carried = carried_fields(table, config.input)
+        if config.task == "score":
+            schema = score_schema(carried)
+        else:
+            schema = output_schema(carried, has_sample_index(config), json_output_type(config))
     except ValueError as error:
         raise config.error("input.carry_columns", str(error)) from None
     return table, schema
@@ -120,12 +125,19 @@ def plan_job(config: JobConfig, limit: int | None = None) -> PlanReport:
     except ValueError as error:
         raise config.error("model", str(error)) from None
     text_config = model_config.get_text_config()
-    plan = build_plan(tokenizer, ((row.index, row.prompt, params) for row, params in good), config.engine.block_size,
-                      models.max_context_len(text_config) - 1, text_config.vocab_size)
-    errors = sorted([(row.index, row.error) for row in bad] +
-                    [(error.request_id, row_error(error.request_id, error.message)) for error in plan.errors])
-    ids = {row.index: row.id for row, _ in good}
-    return plan_report(config, plan, tokenizer, ids, len(rows), [message for _, message in errors])
+    limits = (config.engine.block_size, models.max_context_len(text_config) - 1, text_config.vocab_size)
+    errors = [(row.index, row.error) for row in bad]
+    if config.task == "score":
+        pairs, owners = score_pairs([row for row, _ in good])
+        plan = build_score_plan(tokenizer, pairs, *limits)
+        errors += [(owners[e.request_id][0], pair_error(owners, e.request_id, e.message)) for e in plan.errors]
+        row_ids = {row.index: row.id for row, _ in good}
+        ids = {request_id: row_ids[owner[0]] for request_id, owner in owners.items()}
+    else:
+        plan = build_plan(tokenizer, ((row.index, row.prompt, params) for row, params in good), *limits)
+        errors += [(error.request_id, row_error(error.request_id, error.message)) for error in plan.errors]
+        ids = {row.index: row.id for row, _ in good}
+    return plan_report(config, plan, tokenizer, ids, len(rows), [message for _, message in sorted(errors)])
 
 
 def row_error(row_index: int, message: str) -> str:
@@ -157,6 +169,7 @@ def job_description(config: JobConfig) -> dict:
     as_dict = config.to_dict()
     input_spec = {key: value for key, value in as_dict["input"].items() if key != "path"}
     return {
+        "task": config.task,
         "model": config.model,
         "dtype": config.engine.dtype,
         "sampling": as_dict["sampling"],
@@ -236,11 +249,17 @@ def generate(config: JobConfig, writer: ShardWriter, rows: list[InputRow], count
     engine's counters. The model is loaded only when at least one row can reach it."""
     good, bad = split_rows(config, rows)
     for row in bad:
+        if config.task == "score":
+            write_failed_row(writer, row, counts)
+            continue
         failed = RequestOutput.failed(row.index, None, [], config.sampling.params.n, row.error, time.time())
         _write(writer, config, row, failed, counts)
     if not good:
         return EngineStats()
     llm = load_llm(config)
+    if config.task == "score":
+        run_scoring(llm, writer, [row for row, _ in good], counts, use_tqdm)
+        return llm.stats
     rows_by_index = {row.index: row for row, _ in good}
     plan = llm.plan([row.prompt for row, _ in good], [params for _, params in good],
                     request_ids=[row.index for row, _ in good])

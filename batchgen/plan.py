@@ -26,6 +26,7 @@ from batchgen.engine.block_hash import BlockHash, hash_blocks
 from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.outputs import RequestOutput
 from batchgen.prompts import encode_prompt
+from batchgen.scoring import encode_pair
 from batchgen.sampling_params import SamplingParams
 
 
@@ -106,6 +107,27 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
                                              scored)
     ordered = [planned[request_id] for request_id in tree.order()]
     return Plan(block_size, ordered, errors, tree.stats(), tree, arrival_time)
+
+
+def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], block_size: int, max_prompt_len: int,
+                     vocab_size: int) -> Plan:
+    """The plan of `(request_id, (context, continuation))` scoring requests: each pair is split
+    and encoded as `batchgen.scoring` says; a malformed pair is an error of the plan."""
+    requests, scores, errors = [], {}, []
+    params = SamplingParams(max_tokens=1)
+    for request_id, pair in pairs:
+        try:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"a pair must be (context, continuation), got {type(pair).__name__}")
+            context_ids, continuation_ids = encode_pair(tokenizer, *pair)
+        except ValueError as error:
+            errors.append(PromptError(request_id, None, 1, str(error)))
+            continue
+        scores[request_id] = (len(context_ids), context_ids + continuation_ids)
+        requests.append((request_id, scores[request_id][1][:-1], params))
+    plan = build_plan(tokenizer, requests, block_size, max_prompt_len, vocab_size, scores=scores)
+    plan.errors = errors + plan.errors
+    return plan
 
 
 def _check_prompt_tokens(token_ids: list[int], max_prompt_len: int, vocab_size: int) -> None:

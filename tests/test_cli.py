@@ -49,7 +49,7 @@ def test_every_command_has_help(command, expected):
 
 def test_every_example_job_validates():
     jobs = sorted(JOBS_DIR.glob("*.yaml"))
-    assert [job.name for job in jobs] == ["chat_parquet.yaml", "hf_dataset.yaml", "quickstart.yaml", "sampling.yaml", "structured.yaml"]
+    assert [job.name for job in jobs] == ["chat_parquet.yaml", "hf_dataset.yaml", "quickstart.yaml", "sampling.yaml", "score.yaml", "structured.yaml"]
     for job in jobs:
         result = invoke("validate", job)
         assert result.exit_code == 0, result.output

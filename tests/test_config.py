@@ -63,7 +63,7 @@ def test_good_job_loads_with_defaults_and_relative_paths(job_dir, tmp_path_facto
 
 def test_unknown_top_level_key_names_line_and_allowed_keys(job_dir):
     message = load_error(job_dir, GOOD_JOB + "outptu:\n  path: x\n")
-    assert message == f"{job_dir / 'job.yaml'}:12: outptu: unknown key; allowed: model, engine, input, sampling, output"
+    assert message == f"{job_dir / 'job.yaml'}:12: outptu: unknown key; allowed: model, engine, input, sampling, output, task"
 
 
 def test_unknown_nested_key_names_line_and_allowed_keys(job_dir):

@@ -123,3 +123,14 @@ def test_bad_pairs_fail_alone(model):
     assert "two strings or two lists of token ids" in outputs[2].error
     assert "(context, continuation)" in outputs[3].error
     assert outputs[4].error is None and outputs[4].num_tokens == 1
+
+
+def test_every_sample_reports_the_prompt_logprobs(model):
+    llm = LLM(model, tokenizer=tiny_tokenizer())
+    prompt = list(range(40, 60))
+    params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=3, prompt_logprobs=0, ignore_eos=True)
+    [output] = llm.generate([prompt], params, use_tqdm=False)
+    direct = direct_logprobs(model, prompt)
+    assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+    for position, entry in enumerate(output.prompt_logprobs[1:]):
+        assert entry[prompt[position + 1]].logprob == pytest.approx(float(direct[position, prompt[position + 1]]), abs=1e-4)

@@ -114,6 +114,8 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.num_marked_blocks = self.num_marked_blocks
         child.constraint = self.constraint.deep_copy() if self.constraint is not None else None
+        child.logprob_start, child.scored_token_ids = self.logprob_start, self.scored_token_ids
+        child.prompt_logprobs = list(self.prompt_logprobs)  # every sample reports its request's prompt
         child.status = self.status
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         child.metrics.num_cached_tokens = self.metrics.num_cached_tokens

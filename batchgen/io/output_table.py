@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.io.readers import InputRow
-from batchgen.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
+from batchgen.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, ScoreOutput
 
 ROW_INDEX = "row_index"  # the input row number: the writer's commit key and the final file's sort key
 SAMPLE_INDEX = "sample_index"
@@ -158,6 +158,62 @@ def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool,
         values.update({column.name: column.read(sample) for column in result_columns})
         rows.append(values)
     return rows
+
+
+@dataclass
+class ScoredRow:
+    """A `task: score` input row: one ScoreOutput per continuation, in order, or an error."""
+
+    row: InputRow
+    scores: list[ScoreOutput]
+    error: str | None
+    arrival_time: float
+    finished_time: float
+
+
+def _per_choice(read: Callable[[ScoreOutput], Any]) -> Callable[[ScoredRow], Any]:
+    return lambda scored: None if scored.error else [read(score) for score in scored.scores]
+
+
+def _best_choice(scored: ScoredRow) -> int | None:
+    if scored.error:
+        return None
+    return max(range(len(scored.scores)), key=lambda i: scored.scores[i].logprob)
+
+
+SCORE_COLUMNS = (
+    OutputColumn(FINISH_REASON, pa.string(), False,
+                 lambda scored: (FinishReason.ERROR if scored.error else FinishReason.STOP).value),
+    OutputColumn("error", pa.string(), True, lambda scored: scored.error),
+    OutputColumn("logprobs", pa.list_(pa.float64()), True, _per_choice(lambda score: score.logprob)),
+    OutputColumn("num_tokens", pa.list_(pa.int32()), True, _per_choice(lambda score: score.num_tokens)),
+    OutputColumn("is_greedy", pa.list_(pa.bool_()), True, _per_choice(lambda score: score.is_greedy)),
+    OutputColumn("argmax", pa.int32(), True, _best_choice),
+    OutputColumn("e2e_s", pa.float64(), True, lambda scored: scored.finished_time - scored.arrival_time),
+    OutputColumn("arrival_time", pa.float64(), True, lambda scored: scored.arrival_time),
+    OutputColumn("finished_time", pa.float64(), True, lambda scored: scored.finished_time),
+)
+"""The result columns of a `task: score` output, after row_index, id and the carried columns:
+per continuation its summed log-likelihood, token count and whether it is the greedy one; the
+best continuation's index."""
+
+
+def score_schema(carried_schema: list[pa.Field]) -> pa.Schema:
+    """The schema of a `task: score` output; ValueError when a carried column has an output column's name."""
+    reserved = {c.name for c in (*KEY_COLUMNS, *SCORE_COLUMNS)}
+    clashes = [field.name for field in carried_schema if field.name in reserved]
+    if clashes:
+        raise ValueError(f"carried column(s) {', '.join(map(repr, clashes))} clash with batchgen's output "
+                         "columns; drop them from input.carry_columns")
+    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *(c.field for c in SCORE_COLUMNS)])
+
+
+def score_rows(scored: ScoredRow) -> list[dict]:
+    """The output row of one scored input row, with `score_schema`'s columns."""
+    values = {column.name: column.read(scored) for column in KEY_COLUMNS}
+    values.update(scored.row.carried)
+    values.update({column.name: column.read(scored) for column in SCORE_COLUMNS})
+    return [values]
 
 
 def num_error_rows(table: pa.Table) -> int:

@@ -44,6 +44,8 @@ class InputRow:
     """Carried input columns {name: value}, values as the input table holds them."""
     overrides: dict
     """SamplingParams field -> this row's value, from the override columns."""
+    continuations: list[str] | None = None
+    """task: score: the continuations to score after the prompt (one, or the row's choices)."""
 
 
 def detect_format(path: str | Path) -> str:
@@ -200,9 +202,27 @@ def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], js
             prompt = apply_template(spec.prompt_template, prompt, values)
         prompt = shape_prompt(prompt, spec)
         row_overrides = read_overrides(values, overrides)
+        continuations = _continuations(values, spec)
     except BadRowError as error:
         return InputRow(index, row_id, None, f"row {index}: {error}", carried, {})
-    return InputRow(index, row_id, prompt, None, carried, row_overrides)
+    return InputRow(index, row_id, prompt, None, carried, row_overrides, continuations)
+
+
+def _continuations(values: dict, spec: Any) -> list[str] | None:
+    """A scoring row's continuations: its continuation cell, or its list of choices (None otherwise)."""
+    if spec.continuation_column:
+        column, cell = spec.continuation_column, values.get(spec.continuation_column)
+        cells = [cell]
+    elif spec.choices_column:
+        column, cell = spec.choices_column, values.get(spec.choices_column)
+        if not isinstance(cell, list) or not cell:
+            raise BadRowError(f"column {column!r} must hold a non-empty list of choices, got {type(cell).__name__}")
+        cells = cell
+    else:
+        return None
+    if not all(isinstance(text, str) and text for text in cells):
+        raise BadRowError(f"column {column!r} must hold non-empty text, got {cell!r}"[:200])
+    return cells
 
 
 def _decode(value: Any) -> Any:
@@ -221,6 +241,7 @@ def _carried_value(value: Any, is_json: bool) -> Any:
 def _used_columns(spec: Any, overrides: dict[str, str]) -> list[str]:
     """The columns whose cells reach the tokenizer, the template or the writer."""
     names = [spec.prompt_column, *spec.carry_columns, *overrides.values()]
+    names += [name for name in (spec.continuation_column, spec.choices_column) if name]
     if spec.id_column:
         names.append(spec.id_column)
     if spec.prompt_template:

@@ -31,6 +31,8 @@ def make_spec(path=None, **changes) -> SimpleNamespace:
         prompt_template=None,
         apply_chat_template=False,
         carry_columns=[],
+        continuation_column=None,
+        choices_column=None,
     )
     spec.update(changes)
     return SimpleNamespace(**spec)
