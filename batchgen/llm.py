@@ -98,19 +98,19 @@ class LLM:
     def score_rolling(self, texts: Sequence[str], use_tqdm: bool = True) -> list[ScoreOutput]:
         """The log-likelihood of each whole text (lm-eval's `loglikelihood_rolling`): disjoint
         windows of at most the model's context length, scored as pairs and summed."""
-        pairs, owners = [], []
+        pairs, owners, results = [], [], []
         prefix = prefix_token_id(self.tokenizer)
         for index, text in enumerate(texts):
-            token_ids = encode_text(self.tokenizer, text) if isinstance(text, str) else []
-            for window in rolling_windows(token_ids, prefix, self.engine.max_model_len) if token_ids else [((), ())]:
-                pairs.append((list(window[0]), list(window[1])))
-                owners.append(index)
-        results = [ScoreOutput(index, 0.0, True, 0) for index in range(len(texts))]
+            is_text = isinstance(text, str) and bool(text)
+            results.append(ScoreOutput(index, 0.0, True, 0, None if is_text else "a text must be a non-empty string"))
+            if is_text:
+                for window in rolling_windows(encode_text(self.tokenizer, text), prefix, self.engine.max_model_len):
+                    pairs.append(window)
+                    owners.append(index)
         for owner, output in zip(owners, self.score(pairs, use_tqdm)):
             total = results[owner]
-            error = total.error or output.error
             results[owner] = ScoreOutput(owner, total.logprob + output.logprob, total.is_greedy and output.is_greedy,
-                                         total.num_tokens + output.num_tokens, error)
+                                         total.num_tokens + output.num_tokens, total.error or output.error)
         return results
 
     def run_plan(self, plan: Plan, use_tqdm: bool = True) -> Iterator[RequestOutput]:
