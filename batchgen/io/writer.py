@@ -220,7 +220,7 @@ class ShardWriter:
         for row in rows:
             self._check_row(row)
             indices.add(row[ROW_INDEX])
-        repeated = indices & (self._committed | self._buffered_indices)
+        repeated = {index for index in indices if index in self._committed or index in self._buffered_indices}
         if repeated:
             raise ValueError(f"row_index {sorted(repeated)[:5]} already written to {str(self.output_path)!r}")
         with deferred_interrupts():
