@@ -31,7 +31,7 @@ from batchgen import models
 from batchgen.config import JobConfig
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
-from batchgen.io.output_table import arrow_type_of_schema, num_error_rows, output_rows, output_schema, score_schema
+from batchgen.io.output_table import arrow_type_of_schema, output_rows, output_schema, score_schema
 from batchgen.io.readers import InputRow, carried_fields, input_columns, iter_rows, open_table
 from batchgen.io.writer import ShardWriter, version_metadata
 from batchgen.llm import LLM
@@ -225,7 +225,7 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
             writer.finish()
             return JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=True,
                               num_input_rows=len(rows), num_skipped_rows=len(rows), num_rows_ok=0,
-                              num_rows_failed=0, num_failed_in_output=count_failed(writer))
+                              num_rows_failed=0, num_failed_in_output=writer.num_error_rows())
         counts = Counter(ok=0, failed=0)
         try:
             engine_stats = generate(config, writer, todo, counts, use_tqdm)
@@ -236,7 +236,7 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
     summary = JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=False,
                          num_input_rows=len(rows), num_skipped_rows=len(rows) - len(todo),
                          num_rows_ok=counts["ok"], num_rows_failed=counts["failed"],
-                         num_failed_in_output=count_failed(writer),
+                         num_failed_in_output=writer.num_error_rows(),
                          **{name: getattr(engine_stats, name) for name in TOKEN_COUNTERS})
     _add_measurements(summary, time.time() - start_time)
     summary_path(config).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
@@ -285,11 +285,6 @@ def _write(writer: ShardWriter, config: JobConfig, row: InputRow, output: Reques
     writer.add_rows(output_rows(row, output, has_sample_index(config), json_output_type(config)))
     for completion in output.outputs:
         counts["failed" if completion.finish_reason == FinishReason.ERROR else "ok"] += 1
-
-
-def count_failed(writer: ShardWriter) -> int:
-    """Error rows in everything the output holds."""
-    return num_error_rows(writer.read_committed())
 
 
 def summary_path(config: JobConfig) -> Path:

@@ -2,7 +2,7 @@
 
 A hidden JSON file in the shard folder, replaced atomically on every commit:
 ``{"format", "fingerprint", "metadata", "description", "num_rows", "shards": [{file,
-num_rows, num_requests}]}``. ``description`` is what the fingerprint was made from (model,
+num_rows, num_requests, num_errors}]}``. ``description`` is what the fingerprint was made from (model,
 dtype, sampling, input), so a changed job can be told exactly what changed.
 """
 
@@ -30,12 +30,13 @@ def read_manifest(path: Path) -> dict:
         shards = manifest["shards"]
         is_valid = (isinstance(manifest["fingerprint"], str) and isinstance(shards, list)
                     and all(isinstance(s, dict) and isinstance(s.get("file"), str)
-                            and isinstance(s.get("num_rows"), int) for s in shards))
+                            and isinstance(s.get("num_rows"), int) and isinstance(s.get("num_errors"), int)
+                            for s in shards))
     except (ValueError, KeyError, TypeError, OSError) as error:
         raise ManifestError(f"cannot read {str(path)!r} ({error})") from None
     if not is_valid:
         raise ManifestError(f"{str(path)!r} is damaged (it needs a fingerprint and a list of shards, "
-                            "each with a file and num_rows)")
+                            "each with a file, num_rows and num_errors)")
     return manifest
 
 

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import shutil
 from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ import pyarrow.parquet as pq
 from batchgen.io.commit import atomic_write, deferred_interrupts
 from batchgen.io.manifest import MANIFEST_NAME, TEMP_PREFIX, ManifestError, describe_changes, read_manifest, write_manifest
 from batchgen.io.output_lock import OutputLock
-from batchgen.io.output_table import ROW_INDEX, SAMPLE_INDEX
+from batchgen.io.assembly import assemble
+from batchgen.io.output_table import ROW_INDEX, num_error_rows
 
 FINGERPRINT_KEY = "batchgen.fingerprint"
 
@@ -195,7 +197,10 @@ class ShardWriter:
         strays = [*self.shard_dir.glob(f"{TEMP_PREFIX}*")]
         strays += self.output_path.parent.glob(f"{self._final_temp_prefix}*")
         for stray in strays:
-            stray.unlink()
+            if stray.is_dir():
+                shutil.rmtree(stray)
+            else:
+                stray.unlink()
 
     def _read_committed(self) -> set[int]:
         committed: set[int] = set()
@@ -244,7 +249,8 @@ class ShardWriter:
         table = pa.Table.from_pylist(self._buffer, schema=self.schema)
         numbers = [int(shard["file"][len("shard-") : -len(".parquet")]) for shard in self._shards]
         name = _shard_name(max(numbers, default=-1) + 1)
-        shard = {"file": name, "num_rows": table.num_rows, "num_requests": len(self._buffered_indices)}
+        shard = {"file": name, "num_rows": table.num_rows, "num_requests": len(self._buffered_indices),
+                 "num_errors": num_error_rows(table)}
         with deferred_interrupts():
             try:
                 atomic_write(self.shard_dir / name, TEMP_PREFIX, lambda file: pq.write_table(table, file))
@@ -259,12 +265,9 @@ class ShardWriter:
     def _write_manifest(self, shards: list[dict]) -> None:
         write_manifest(self.shard_dir / MANIFEST_NAME, self.fingerprint, self.metadata, self.description, shards)
 
-    def read_committed(self) -> pa.Table:
-        """Every committed row, sorted by row_index (then sample_index), in this writer's schema."""
-        tables = [pq.read_table(self.shard_dir / shard["file"]).cast(self.schema) for shard in self._shards]
-        table = pa.concat_tables(tables) if tables else self.schema.empty_table()
-        keys = [(name, "ascending") for name in (ROW_INDEX, SAMPLE_INDEX) if name in self.schema.names]
-        return table.sort_by(keys)
+    def num_error_rows(self) -> int:
+        """Error rows in everything committed (from the manifest: no shard is read)."""
+        return sum(shard["num_errors"] for shard in self._shards)
 
     def finish(self) -> Path:
         """Flush; for a .parquet output write the final file atomically; release the lock (the
@@ -278,9 +281,11 @@ class ShardWriter:
     def _assemble(self) -> None:
         """Write the final file from the committed shards, in row order."""
         self._check_kind()
-        table = self.read_committed()
+        shard_paths = [self.shard_dir / shard["file"] for shard in self._shards]
+        work_dir = self.shard_dir / f"{TEMP_PREFIX}assembly"
         try:
-            atomic_write(self.output_path, self._final_temp_prefix, lambda file: pq.write_table(table, file))
+            atomic_write(self.output_path, self._final_temp_prefix,
+                         lambda file: assemble(shard_paths, self.schema, file, work_dir))
         except OSError as error:
             raise OutputError(
                 f"could not write the final file {str(self.output_path)!r}: {error}. Every row is committed "

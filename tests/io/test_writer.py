@@ -42,8 +42,8 @@ def test_shards_and_manifest_are_committed_every_shard_size_rows(tmp_path):
     assert manifest["metadata"] == METADATA
     assert manifest["num_rows"] == 3
     assert manifest["shards"] == [
-        {"file": "shard-000000.parquet", "num_rows": 2, "num_requests": 2},
-        {"file": "shard-000001.parquet", "num_rows": 1, "num_requests": 1},
+        {"file": "shard-000000.parquet", "num_rows": 2, "num_requests": 2, "num_errors": 0},
+        {"file": "shard-000001.parquet", "num_rows": 1, "num_requests": 1, "num_errors": 0},
     ]
     shard = pq.read_table(tmp_path / "out" / "shard-000000.parquet")
     assert shard.column("row_index").to_pylist() == [4, 0]
@@ -63,22 +63,24 @@ def test_resume_skips_committed_rows_and_refuses_repeats(tmp_path):
     second.add_rows([row(4)])
     second.finish()
     assert set(range(5)) <= second.committed_indices()
-    assert sorted(second.read_committed().column("row_index").to_pylist()) == [0, 1, 2, 3, 4]
+    assert sorted(pq.read_table(tmp_path / "out").column("row_index").to_pylist()) == [0, 1, 2, 3, 4]
 
 
 def test_samples_of_one_row_share_a_shard(tmp_path):
-    writer = open_writer(tmp_path / "out", shard_size=2, schema=output_schema([], with_sample_index=True))
+    writer = open_writer(tmp_path / "out.parquet", shard_size=2, schema=output_schema([], with_sample_index=True))
+    shard_dir = tmp_path / "out.parquet.shards"
 
     def sample(index: int, sample_index: int) -> dict:
         return {"row_index": index, "id": str(index), "sample_index": sample_index, "finish_reason": "length"}
 
     writer.add_rows([sample(0, i) for i in range(3)])
-    assert shard_names(tmp_path / "out") == ["shard-000000.parquet"]
-    assert pq.read_table(tmp_path / "out" / "shard-000000.parquet").num_rows == 3
+    assert shard_names(shard_dir) == ["shard-000000.parquet"]
+    assert pq.read_table(shard_dir / "shard-000000.parquet").num_rows == 3
     with pytest.raises(ValueError, match="already written"):
         writer.add_rows([sample(0, 3)])
     writer.add_rows([sample(1, 1), sample(1, 0)])
-    table = writer.read_committed()
+    writer.finish()
+    table = pq.read_table(tmp_path / "out.parquet")
     assert list(zip(table["row_index"].to_pylist(), table["sample_index"].to_pylist())) == [
         (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)
     ]
@@ -97,7 +99,7 @@ def test_orphan_shard_and_temp_files_are_removed_on_resume(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock", MANIFEST_NAME, "shard-000000.parquet"]
     resumed.add_rows([row(2), row(3)])
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet", "shard-000001.parquet"]
-    assert resumed.read_committed().column("row_index").to_pylist() == [0, 1, 2, 3]
+    assert sorted(pq.read_table(tmp_path / "out").column("row_index").to_pylist()) == [0, 1, 2, 3]
 
 
 def test_crash_during_manifest_update_leaves_an_orphan_that_resume_drops(tmp_path, monkeypatch):
@@ -208,3 +210,20 @@ def test_final_file_temp_of_a_killed_finish_is_removed(tmp_path):
     open_writer(path).finish()
     assert not stray.exists() and unrelated.exists()
     assert pq.read_table(path).num_rows == 2
+
+
+def test_the_final_file_is_assembled_bucket_by_bucket_in_row_order(tmp_path, monkeypatch):
+    from batchgen.io import assembly
+
+    monkeypatch.setattr(assembly, "BUCKET_ROWS", 3)
+    path = tmp_path / "answers.parquet"
+    writer = open_writer(path, shard_size=4)
+    order = [17, 3, 9, 0, 12, 5, 1, 16, 8, 2, 11, 4, 15, 7, 10, 6, 14, 13]  # scattered over shards and buckets
+    for index in order:
+        writer.add_rows([row(index, finish_reason="error" if index % 5 == 0 else "stop")])
+    writer.finish()
+    parquet = pq.ParquetFile(path)
+    assert parquet.metadata.num_row_groups == 6  # one per bucket of 3 row indices
+    assert parquet.read().column("row_index").to_pylist() == list(range(18))
+    assert writer.num_error_rows() == 4  # 0, 5, 10, 15, from the manifest
+    assert not list((tmp_path / "answers.parquet.shards").glob(".tmp-*"))
