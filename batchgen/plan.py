@@ -25,7 +25,7 @@ from batchgen.engine import constraints
 from batchgen.engine.block_hash import BlockHash, hash_blocks
 from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.outputs import RequestOutput
-from batchgen.prompts import encode_prompt
+from batchgen.prompts import encode_prompt, encode_texts
 from batchgen.scoring import encode_pair
 from batchgen.sampling_params import SamplingParams
 
@@ -84,10 +84,13 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
     tree = RadixTree(block_size)
     planned: dict[int, PlannedRequest] = {}
     errors = []
+    requests = list(requests)
+    encoded_texts = encode_texts(tokenizer, [prompt for _, prompt, _ in requests])
     for request_id, prompt, params in requests:
         text = prompt if isinstance(prompt, str) else None
         try:
-            token_ids = encode_prompt(tokenizer, prompt)
+            token_ids = encoded_texts.get(prompt) if text else None
+            token_ids = encode_prompt(tokenizer, prompt) if token_ids is None else token_ids
             # a scoring request generates nothing: it may fill the whole context
             _check_prompt_tokens(token_ids, max_prompt_len + (request_id in scores), vocab_size)
             if params.constraint is not None:

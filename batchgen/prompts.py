@@ -49,6 +49,19 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     return token_ids
 
 
+def encode_texts(tokenizer: Any, prompts: list) -> dict[str, list[int]]:
+    """The token ids of every non-empty text prompt, from one batched call of a fast tokenizer
+    (the same ids `encode_prompt` gives); empty when the tokenizer has no batch call or the batch
+    fails on one text (each prompt is then encoded, and refused, on its own)."""
+    texts = list(dict.fromkeys(p for p in prompts if isinstance(p, str) and p))
+    if not texts or not getattr(tokenizer, "is_fast", False):
+        return {}
+    try:
+        return dict(zip(texts, tokenizer(texts)["input_ids"], strict=True))
+    except Exception:  # one text the tokenizer refuses (a lone surrogate): fall back to one call each
+        return {}
+
+
 def _encode_text(tokenizer: Any, text: str) -> list[int]:
     if not text:
         raise ValueError("empty prompt")

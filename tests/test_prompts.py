@@ -46,3 +46,11 @@ def test_messages_need_a_chat_template():
     plain.chat_template = None
     with pytest.raises(ValueError, match="the tokenizer has no chat template"):
         encode_prompt(plain, [{"role": "user", "content": "w10"}])
+
+
+def test_texts_are_encoded_in_one_batch_as_encode_prompt_encodes_them():
+    from batchgen.prompts import encode_texts
+
+    texts = ["w10 w11 w12", "w13", "w10 w11 w12"]
+    assert encode_texts(TOKENIZER, [*texts, "", [5, 6], None]) == {t: encode_prompt(TOKENIZER, t) for t in texts}
+    assert encode_texts(TOKENIZER, ["w10", "bad \ud800"]) == {}  # one refused text: each is encoded alone
