@@ -8,9 +8,11 @@ run together and the prefix is computed once.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 
 import torch
 from tqdm.auto import tqdm
@@ -21,9 +23,12 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
 from batchgen.models import load_model
 from batchgen.outputs import RequestOutput, ScoreOutput
-from batchgen.plan import Plan, build_plan, build_score_plan
+from batchgen.plan import Plan, PlannedRequest, build_plan, build_score_plan
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import encode_text, prefix_token_id, rolling_windows
+
+
+DEFAULT_WINDOW = 16384  # prompts planned at once by iter_generate, and the watermark of waiting sequences
 
 
 class LLM:
@@ -66,14 +71,32 @@ class LLM:
         """One RequestOutput per prompt, in input order."""
         return sorted(self.iter_generate(prompts, sampling_params, use_tqdm), key=lambda o: o.request_id)
 
-    def iter_generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                      use_tqdm: bool = True) -> Iterator[RequestOutput]:
+    def iter_generate(self, prompts, sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
+                      use_tqdm: bool = True, window: int = DEFAULT_WINDOW) -> Iterator[RequestOutput]:
         """Yield each RequestOutput as soon as its request finishes (request_id = input position);
-        prompts that cannot run come first, as error outputs."""
-        plan = self.plan(prompts, sampling_params)
-        for error in plan.errors:
-            yield error.output(plan.arrival_time)
-        yield from self.run_plan(plan, use_tqdm)
+        a prompt that cannot run yields its error output when its window is planned.
+
+        `prompts` may be any iterable, a generator included, with one SamplingParams or an
+        iterable of them: it is read `window` prompts at a time, each window planned (its shared
+        prefixes run together; the prefix cache carries hot prefixes across windows), and its
+        requests are admitted only while fewer than `window` sequences wait: a call holds at most
+        one planned window and `window` waiting sequences. A list of at most `window` prompts is
+        one plan.
+        """
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        numbered = _numbered(prompts, sampling_params)
+        total = len(prompts) if isinstance(prompts, Sized) and not _is_single_prompt(prompts) else None
+
+        def next_plan() -> Plan | None:
+            chunk = list(itertools.islice(numbered, window))
+            if not chunk:
+                return None
+            engine = self.engine
+            return build_plan(self.tokenizer, chunk, self.config.block_size, engine.max_model_len - 1,
+                              engine.vocab_size, lambda params: engine.constraints.matcher(params))
+
+        yield from self._run(next_plan, total, use_tqdm, watermark=window, yield_errors=True)
 
     def score(self, pairs: Sequence[tuple], use_tqdm: bool = True) -> list[ScoreOutput]:
         """The log-likelihood of each (context, continuation) pair, in input order (lm-eval's
@@ -115,20 +138,45 @@ class LLM:
 
     def run_plan(self, plan: Plan, use_tqdm: bool = True) -> Iterator[RequestOutput]:
         """Run the plan's requests in its order, yielding each output as it finishes (its
-        errors are the caller's); the bar shows this call's output tok/s and prefix hit rate."""
+        errors are the caller's)."""
+        plans = iter([plan])
+        yield from self._run(lambda: next(plans, None), len(plan.requests), use_tqdm, watermark=None,
+                             yield_errors=False)
+
+    def _run(self, next_plan: Callable[[], Plan | None], total: int | None, use_tqdm: bool,
+             watermark: int | None, yield_errors: bool) -> Iterator[RequestOutput]:
+        """Step the engine until every plan `next_plan` gives is done. A plan's requests are admitted,
+        in its order, only while fewer than `watermark` sequences wait (None: all at once); the next
+        plan is taken once they all are. The bar shows this call's output tok/s and prefix hit rate."""
         before = dataclasses.replace(self.stats)
-        for request in plan.requests:
-            self.engine.add_request(request.request_id, request.prompt, request.token_ids, request.params,
-                                    plan.arrival_time, request.block_hashes, request.logprob_start,
-                                    request.scored_token_ids)
         start_time = time.time()
-        with tqdm(total=len(plan.requests), desc="requests", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished():
+        pending: collections.deque = collections.deque()
+        plan, is_exhausted = None, False
+        with tqdm(total=total, desc="requests", disable=not use_tqdm, unit="req") as bar:
+            while True:
+                while not is_exhausted and (watermark is None or self.engine.num_waiting < watermark):
+                    if not pending:
+                        plan = next_plan()
+                        if plan is None:
+                            is_exhausted = True
+                            break
+                        pending.extend(plan.requests)
+                        if yield_errors:
+                            bar.update(len(plan.errors))
+                            yield from (error.output(plan.arrival_time) for error in plan.errors)
+                        continue
+                    self._add(pending.popleft(), plan.arrival_time)
+                if not self.engine.has_unfinished():
+                    return
                 finished = self.engine.step()
                 if finished:
                     bar.update(len(finished))
                     bar.set_postfix_str(progress_text(self.stats.since(before), time.time() - start_time))
                 yield from finished
+
+    def _add(self, request: PlannedRequest, arrival_time: float) -> None:
+        self.engine.add_request(request.request_id, request.prompt, request.token_ids, request.params, arrival_time,
+                                request.block_hashes, request.logprob_start, request.scored_token_ids)
 
 
 def progress_text(stats: EngineStats, elapsed_s: float) -> str:
@@ -139,14 +187,34 @@ def progress_text(stats: EngineStats, elapsed_s: float) -> str:
 
 def normalize_prompts(prompts) -> list:
     """A list of prompts; a single string, token-id list or message list becomes a list of one."""
+    return [prompts] if _is_single_prompt(prompts) else list(prompts)
+
+
+def _is_single_prompt(prompts) -> bool:
+    """A string, a list of token ids or a list of messages: one prompt, not a list of prompts."""
     if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, dict) for p in prompts):
-        return [prompts]
-    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [prompts]
-    return prompts
+        return True
+    if not isinstance(prompts, list) or not prompts:
+        return False
+    return (all(isinstance(p, dict) for p in prompts)
+            or all(isinstance(p, int) and not isinstance(p, bool) for p in prompts))
+
+
+def _numbered(prompts, sampling_params) -> Iterator[tuple[int, object, SamplingParams]]:
+    """(position, prompt, params) for every prompt, lazily; params: None, one, or one per prompt."""
+    prompts = [prompts] if _is_single_prompt(prompts) else prompts
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        yield from ((i, prompt, sampling_params or SamplingParams()) for i, prompt in enumerate(prompts))
+        return
+    if isinstance(prompts, Sized) and isinstance(sampling_params, Sized) and len(prompts) != len(sampling_params):
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
+                         "give one, or one per prompt")
+    params = iter(sampling_params)
+    missing = object()
+    for position, (prompt, param) in enumerate(itertools.zip_longest(prompts, params, fillvalue=missing)):
+        if prompt is missing or param is missing:
+            raise ValueError("the prompts and their SamplingParams differ in number; give one, or one per prompt")
+        yield position, prompt, param
 
 
 def normalize_params(params, num_prompts: int) -> list[SamplingParams]:

@@ -224,3 +224,41 @@ def test_progress_bar_reports_throughput_and_hit_rate_of_the_call(capsys):
     err = capsys.readouterr().err
     assert "2/2" in err and "tok/s" in err
     assert "prefix hit 49.2%" in err  # 64 of 130 prompt tokens: the second request reuses 4 blocks
+
+
+def test_a_generator_of_prompts_streams_through_a_bounded_window():
+    model, workload, expected = model_and_oracle("llama")
+    llm = LLM(model, tokenizer=tiny_tokenizer(), max_num_seqs=4)
+    consumed = []
+
+    def prompts():
+        for prompt, _ in workload:
+            consumed.append(len(consumed))
+            yield prompt
+
+    params = (greedy(max_tokens) for _, max_tokens in workload)
+    stream = llm.iter_generate(prompts(), params, use_tqdm=False, window=8)
+    first = next(stream)
+    assert len(consumed) < len(workload)  # read lazily: not all prompts before the first output
+    outputs = sorted([first, *stream], key=lambda o: o.request_id)
+    assert [o.request_id for o in outputs] == list(range(len(workload)))
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.stats.max_num_waiting <= 8
+
+
+def test_a_window_larger_than_the_input_gives_the_same_outputs_and_counters():
+    model, workload, _ = model_and_oracle("llama")
+    whole, windowed = (LLM(model, tokenizer=tiny_tokenizer()) for _ in range(2))
+    prompts = [prompt for prompt, _ in workload]
+    params = [greedy(max_tokens) for _, max_tokens in workload]
+    full = whole.generate(prompts, params, use_tqdm=False)
+    streamed = sorted(windowed.iter_generate(iter(prompts), iter(params), use_tqdm=False, window=10 ** 6),
+                      key=lambda o: o.request_id)
+    assert [o.token_ids for o in streamed] == [o.token_ids for o in full]
+    assert windowed.stats.num_computed_prompt_tokens == whole.stats.num_computed_prompt_tokens
+
+
+def test_prompts_and_params_of_different_lengths_are_refused():
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    with pytest.raises(ValueError, match="differ in number"):
+        list(llm.iter_generate(iter([[5, 6], [7, 8]]), iter([greedy(1)]), use_tqdm=False))

@@ -81,6 +81,12 @@ class LLMEngine:
                                     matcher, logprob_start, scored_token_ids is not None, scored_token_ids))
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(prompt_token_ids)
+        self.stats.max_num_waiting = max(self.stats.max_num_waiting, self.num_waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued ahead of the scheduler (not yet running)."""
+        return len(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
         return bool(self._finished) or self.scheduler.has_unfinished()
