@@ -57,14 +57,20 @@ class LLM:
              request_ids: Sequence[int] | None = None) -> Plan:
         """Encode, check and order the prompts (strings, token-id lists or chat-message lists; a
         single one of these is one prompt). `request_ids` default to the input positions."""
-        prompts = normalize_prompts(prompts)
-        params_list = normalize_params(sampling_params, len(prompts))
-        request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
-        if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts; give one unique id each")
+        requests = list(_numbered(prompts, sampling_params))
+        if request_ids is not None:
+            request_ids = list(request_ids)
+            if len(request_ids) != len(requests) or len(set(request_ids)) != len(request_ids):
+                raise ValueError(f"got {len(request_ids)} request ids for {len(requests)} prompts; "
+                                 "give one unique id each")
+            requests = [(request_id, prompt, params) for request_id, (_, prompt, params) in zip(request_ids, requests)]
+        return self._build_plan(requests)
+
+    def _build_plan(self, requests: list[tuple[int, object, SamplingParams]]) -> Plan:
+        """The plan of numbered requests, with this engine's limits and constraint compiler."""
         engine = self.engine
-        return build_plan(self.tokenizer, zip(request_ids, prompts, params_list), self.config.block_size,
-                          engine.max_model_len - 1, engine.vocab_size, lambda params: engine.constraints.matcher(params))
+        return build_plan(self.tokenizer, requests, self.config.block_size, engine.max_model_len - 1,
+                          engine.vocab_size, lambda params: engine.constraints.matcher(params))  # built at first use
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -90,11 +96,7 @@ class LLM:
 
         def next_plan() -> Plan | None:
             chunk = list(itertools.islice(numbered, window))
-            if not chunk:
-                return None
-            engine = self.engine
-            return build_plan(self.tokenizer, chunk, self.config.block_size, engine.max_model_len - 1,
-                              engine.vocab_size, lambda params: engine.constraints.matcher(params))
+            return self._build_plan(chunk) if chunk else None
 
         yield from self._run(next_plan, total, use_tqdm, watermark=window, yield_errors=True)
 
@@ -185,11 +187,6 @@ def progress_text(stats: EngineStats, elapsed_s: float) -> str:
             f"prefix hit {stats.prefix_hit_rate:.1%}")
 
 
-def normalize_prompts(prompts) -> list:
-    """A list of prompts; a single string, token-id list or message list becomes a list of one."""
-    return [prompts] if _is_single_prompt(prompts) else list(prompts)
-
-
 def _is_single_prompt(prompts) -> bool:
     """A string, a list of token ids or a list of messages: one prompt, not a list of prompts."""
     if isinstance(prompts, str):
@@ -215,17 +212,6 @@ def _numbered(prompts, sampling_params) -> Iterator[tuple[int, object, SamplingP
         if prompt is missing or param is missing:
             raise ValueError("the prompts and their SamplingParams differ in number; give one, or one per prompt")
         yield position, prompt, param
-
-
-def normalize_params(params, num_prompts: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(params, SamplingParams):
-        return [params] * num_prompts
-    params = list(params)
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts; give one, or one per prompt")
-    return params
 
 
 def score_of(request_id: int, output: RequestOutput) -> ScoreOutput:

@@ -317,15 +317,25 @@ def load_model(
 
 def load_tokenizer_and_config(model: str | None) -> tuple[PreTrainedTokenizerBase, transformers.PretrainedConfig]:
     """The tokenizer and config ``load_model(model)`` would use, without loading weights."""
+    return _load_from_source(model, lambda source, **hub_kwargs: (
+        AutoTokenizer.from_pretrained(source, **hub_kwargs), transformers.AutoConfig.from_pretrained(source, **hub_kwargs)))
+
+
+def load_config(model: str | None) -> transformers.PretrainedConfig:
+    """The config ``load_model(model)`` would use (no tokenizer, no weights)."""
+    return _load_from_source(model, transformers.AutoConfig.from_pretrained)
+
+
+def _load_from_source(model: str | None, load):
+    """``load(source, **hub_kwargs)`` on the model's local folder, else its hub id (cache first)."""
     name, folder = local_folder(model)
     source = folder if folder is not None else name
 
-    def load(**hub_kwargs):
+    def quiet_load(**hub_kwargs):
         with quiet_transformers():
-            return (AutoTokenizer.from_pretrained(source, **hub_kwargs),
-                    transformers.AutoConfig.from_pretrained(source, **hub_kwargs))
+            return load(source, **hub_kwargs)
 
-    return load() if folder is not None else from_cache_or_hub(name, load)
+    return quiet_load() if folder is not None else from_cache_or_hub(name, quiet_load)
 
 
 def max_context_len(text_config: transformers.PretrainedConfig) -> int:
@@ -358,5 +368,8 @@ def kv_cache_shape(text_config: transformers.PretrainedConfig) -> tuple[int, int
 
 def kv_cache_bytes_per_token(text_config: transformers.PretrainedConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V one token takes in every layer's cache."""
-    num_layers, num_kv_heads, head_dim = kv_cache_shape(text_config)
+    return kv_bytes_per_token(*kv_cache_shape(text_config), dtype)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

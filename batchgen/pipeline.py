@@ -200,7 +200,7 @@ def check_engine(config: JobConfig) -> None:
     if budget is None:
         return
     try:
-        _, model_config = models.load_tokenizer_and_config(config.model)
+        model_config = models.load_config(config.model)
     except ValueError as error:
         raise config.error("model", str(error)) from None
     dtype = models.resolve_dtype(config.engine.dtype, device)
@@ -248,12 +248,13 @@ def generate(config: JobConfig, writer: ShardWriter, rows: list[InputRow], count
     """Write every row's outputs (bad rows first, then the engine's as they finish); returns the
     engine's counters. The model is loaded only when at least one row can reach it."""
     good, bad = split_rows(config, rows)
+    layout = (has_sample_index(config), json_output_type(config))
     for row in bad:
         if config.task == "score":
             write_failed_row(writer, row, counts)
             continue
         failed = RequestOutput.failed(row.index, None, [], config.sampling.params.n, row.error, time.time())
-        _write(writer, config, row, failed, counts)
+        _write(writer, layout, row, failed, counts)
     if not good:
         return EngineStats()
     llm = load_llm(config)
@@ -266,9 +267,9 @@ def generate(config: JobConfig, writer: ShardWriter, rows: list[InputRow], count
     for error in plan.errors:
         failed = RequestOutput.failed(error.request_id, None, [], error.n, row_error(error.request_id, error.message),
                                       plan.arrival_time)
-        _write(writer, config, rows_by_index[error.request_id], failed, counts)
+        _write(writer, layout, rows_by_index[error.request_id], failed, counts)
     for output in llm.run_plan(plan, use_tqdm):
-        _write(writer, config, rows_by_index[output.request_id], output, counts)
+        _write(writer, layout, rows_by_index[output.request_id], output, counts)
     return llm.stats
 
 
@@ -280,9 +281,11 @@ def load_llm(config: JobConfig) -> LLM:
         raise config.error("model", str(error)) from None
 
 
-def _write(writer: ShardWriter, config: JobConfig, row: InputRow, output: RequestOutput, counts: Counter) -> None:
-    """Buffer the output rows of one input row and count them as ok or failed."""
-    writer.add_rows(output_rows(row, output, has_sample_index(config), json_output_type(config)))
+def _write(writer: ShardWriter, layout: tuple[bool, pa.DataType | None], row: InputRow, output: RequestOutput,
+           counts: Counter) -> None:
+    """Buffer the output rows of one input row and count them as ok or failed; `layout` is
+    (has_sample_index, json_output_type) of the job, computed once."""
+    writer.add_rows(output_rows(row, output, *layout))
     for completion in output.outputs:
         counts["failed" if completion.finish_reason == FinishReason.ERROR else "ok"] += 1
 

@@ -7,10 +7,10 @@ about a millisecond, and fills a step's masks for many requests in parallel thre
 the GIL released. `scripts/bench_constraint_libraries.py` measures it against outlines-core.
 
 Invariants:
-- `Constraints.check(params)` raises ValueError naming the constraint field when it does
-  not compile; it needs no tokenizer, so a job file's fixed constraint is checked before
-  any model loads. `matcher(params)` compiles once per distinct constraint (then copies).
-- A matcher sees generated tokens only (never the prompt); `fill_masks` writes one bitmask
+- `check(params)` raises ValueError naming the constraint field when it does not compile;
+  it needs no tokenizer, so a job file's fixed constraint is checked before any model loads.
+  `Constraints.matcher(params)` compiles once per distinct constraint (then copies).
+- A matcher sees generated tokens only (never the prompt); `start_masks` fills one bitmask
   row per matcher (bit t of a row: token t allowed), and `apply_masks` sets every
   disallowed logit to -inf, so a sampled token always keeps the output valid.
 - JSON is compiled without free whitespace and with ", " / ": " separators, so outputs are
@@ -52,16 +52,19 @@ def grammar_of(params: SamplingParams) -> str | None:
 
 def check(params: SamplingParams) -> None:
     """ValueError naming the constraint field when the constraint does not compile."""
-    constraint = params.constraint
-    if constraint is None:
+    if params.constraint is None:
         return
-    try:
-        grammar = grammar_of(params)
-    except ValueError as error:
-        raise ValueError(f"invalid {constraint[0]}: {error}") from None
-    message = _validate(grammar)
+    message = _validate(_checked_grammar(params))
     if message:
-        raise ValueError(f"invalid {constraint[0]}: {message.strip()}")
+        raise ValueError(f"invalid {params.constraint[0]}: {message.strip()}")
+
+
+def _checked_grammar(params: SamplingParams) -> str:
+    """`grammar_of(params)` for a constrained request; its ValueError names the constraint field."""
+    try:
+        return grammar_of(params)
+    except ValueError as error:
+        raise ValueError(f"invalid {params.constraint[0]}: {error}") from None
 
 
 @lru_cache(maxsize=MAX_CACHED_GRAMMARS)
@@ -81,12 +84,11 @@ class Constraints:
 
     def matcher(self, params: SamplingParams) -> LLMatcher | None:
         """A fresh matcher for the request's constraint (None without one); ValueError if invalid."""
-        grammar = grammar_of(params)
-        if grammar is None:
+        if params.constraint is None:
             return None
+        grammar = _checked_grammar(params)
         template = self._compiled.get(grammar)
-        if template is None:
-            check(params)
+        if template is None:  # compiling reports an invalid grammar as the matcher's error
             template = LLMatcher(self._tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise ValueError(f"invalid {params.constraint[0]}: {template.get_error()}")

@@ -78,7 +78,7 @@ class LLMEngine:
         generator = make_generator(params.seed, 0, self.runner.device) if params.seed is not None else None
         matcher = self.constraints.matcher(params) if params.constraint is not None else None
         self.scheduler.add(Sequence(request_id, prompt_token_ids, params, arrival_time, 0, generator, block_hashes,
-                                    matcher, logprob_start, scored_token_ids is not None, scored_token_ids))
+                                    matcher, logprob_start, scored_token_ids))
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(prompt_token_ids)
         self.stats.max_num_waiting = max(self.stats.max_num_waiting, self.num_waiting)
@@ -128,7 +128,7 @@ class LLMEngine:
         row, sampling_rows = 0, []
         for seq, positions, is_sampling in layout:
             if positions:
-                targets = [seq.scored_token_ids[position + 1] for position in positions]
+                targets = [seq.scored_tokens[position + 1] for position in positions]
                 seq.prompt_logprobs += token_logprobs(logits[row : row + len(positions)], targets,
                                                       seq.params.prompt_logprobs or 0)
                 row += len(positions)

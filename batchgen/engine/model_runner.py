@@ -22,7 +22,7 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.step import ScheduledStep
-from batchgen.models import kv_cache_bytes_per_token, kv_cache_shape
+from batchgen.models import kv_bytes_per_token, kv_cache_shape
 from batchgen.kernels.attention import (AttentionMetadata, AttentionStep, make_backend, register,
                                         shared_prefix_groups)
 from batchgen.kernels.cpu_linear import PackedLinears
@@ -37,12 +37,14 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    bytes_per_token: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     @classmethod
     def from_model(cls, model) -> KVCacheSpec:
-        config = model.config.get_text_config()
-        return cls(*kv_cache_shape(config), model.dtype, kv_cache_bytes_per_token(config, model.dtype))
+        return cls(*kv_cache_shape(model.config.get_text_config()), model.dtype)
 
 
 class ModelRunner:

@@ -47,7 +47,6 @@ class Sequence:
         block_hashes: list[BlockHash] | None = None,
         constraint=None,
         logprob_start: int | None = None,
-        is_scoring: bool = False,
         scored_token_ids: list[int] | None = None,
     ):
         self.request_id = request_id
@@ -63,10 +62,9 @@ class Sequence:
         self.num_marked_blocks = 0
         self.constraint = constraint  # an llguidance matcher over the output tokens, or None
         self.logprob_start = logprob_start  # first prompt position whose token's logprob is wanted
-        self.is_scoring = is_scoring  # prompt logprobs only: finishes once its prompt is computed
-        # the tokens scored from logprob_start on: the prompt, or for a scoring request the prompt and
-        # one token more (the last scored token is never an input)
-        self.scored_token_ids = list(prompt_token_ids) if scored_token_ids is None else scored_token_ids
+        # a scoring request's tokens: its prompt and one token more (the last scored token is never
+        # an input); None for a request that generates
+        self.scored_token_ids = scored_token_ids
         self.prompt_logprobs: list = []  # TokenLogprobs of scored positions logprob_start, ...
         self.output_logprobs: list = []  # TokenLogprobs of each generated token (params.logprobs)
         self.num_forks_pending = params.n - 1 if sample_index == 0 else 0
@@ -84,6 +82,22 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_scoring(self) -> bool:
+        """A scoring request: prompt logprobs only, finished once its prompt is computed."""
+        return self.scored_token_ids is not None
+
+    @property
+    def scored_tokens(self) -> list[int]:
+        """The tokens whose logprobs are taken from `logprob_start` on (position p scores token p + 1)."""
+        return self.token_ids if self.scored_token_ids is None else self.scored_token_ids
+
+    @property
+    def logprob_end(self) -> int:
+        """One past the last position whose logits score a token: the prompt's last position for a
+        scoring request, the one before it otherwise (that one's logits sample the output)."""
+        return self.num_prompt_tokens - (0 if self.is_scoring else 1)
 
     @property
     def num_reusable_tokens(self) -> int:

@@ -23,13 +23,13 @@ class ScheduledSeq:
 
     @property
     def logprob_positions(self) -> range:
-        """Positions p of this chunk whose logits score token p + 1 of `seq.scored_token_ids` (each
+        """Positions p of this chunk whose logits score token p + 1 of `seq.scored_tokens` (each
         position once: those scored before a preemption are not scored again)."""
         seq = self.seq
         if seq.logprob_start is None:
             return range(0)
         first = max(seq.num_computed_tokens, seq.logprob_start - 1 + len(seq.prompt_logprobs))
-        end = min(seq.num_computed_tokens + self.num_new_tokens, seq.num_prompt_tokens, len(seq.scored_token_ids) - 1)
+        end = min(seq.num_computed_tokens + self.num_new_tokens, seq.logprob_end)
         return range(first, end)
 
     @property

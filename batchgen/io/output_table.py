@@ -133,15 +133,19 @@ def output_schema(carried_schema: list[pa.Field], with_sample_index: bool,
                   json_type: pa.DataType | None = None) -> pa.Schema:
     """The output schema (with output_json of `json_type` when set); raises ValueError when a
     carried column has an output column's name."""
-    clashes = [field.name for field in carried_schema if field.name in (*OUTPUT_COLUMNS, OUTPUT_JSON)]
+    _refuse_clashes(carried_schema, {*OUTPUT_COLUMNS, OUTPUT_JSON})
+    sample_fields = [SAMPLE_INDEX_COLUMN.field] if with_sample_index else []
+    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields,
+                      *(c.field for c in _result_columns(json_type))])
+
+
+def _refuse_clashes(carried_schema: list[pa.Field], reserved: set[str]) -> None:
+    clashes = [field.name for field in carried_schema if field.name in reserved]
     if clashes:
         raise ValueError(
             f"carried column(s) {', '.join(map(repr, clashes))} clash with batchgen's output columns; "
             "drop them from input.carry_columns"
         )
-    sample_fields = [SAMPLE_INDEX_COLUMN.field] if with_sample_index else []
-    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields,
-                      *(c.field for c in _result_columns(json_type))])
 
 
 def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool,
@@ -200,11 +204,7 @@ best continuation's index."""
 
 def score_schema(carried_schema: list[pa.Field]) -> pa.Schema:
     """The schema of a `task: score` output; ValueError when a carried column has an output column's name."""
-    reserved = {c.name for c in (*KEY_COLUMNS, *SCORE_COLUMNS)}
-    clashes = [field.name for field in carried_schema if field.name in reserved]
-    if clashes:
-        raise ValueError(f"carried column(s) {', '.join(map(repr, clashes))} clash with batchgen's output "
-                         "columns; drop them from input.carry_columns")
+    _refuse_clashes(carried_schema, {c.name for c in (*KEY_COLUMNS, *SCORE_COLUMNS)})
     return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *(c.field for c in SCORE_COLUMNS)])
 
 
