@@ -121,7 +121,7 @@ def plan(job: Path, limit: int | None, as_json: bool) -> None:
     """
     config = load(job, {})
     try:
-        report = plan_job(config, limit=limit)
+        report = plan_job(config, limit=limit, use_tqdm=sys.stderr.isatty())
     except JobConfigError as error:
         raise JobError(str(error)) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())

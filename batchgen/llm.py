@@ -8,11 +8,10 @@ run together and the prefix is computed once.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 
 import torch
 from tqdm.auto import tqdm
@@ -23,12 +22,13 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
 from batchgen.models import load_model
 from batchgen.outputs import RequestOutput, ScoreOutput
-from batchgen.plan import Plan, PlannedRequest, build_plan, build_score_plan
+from batchgen.plan import Plan, PlanLimits, PlannedRequest, PromptError, build_plan, build_score_plan
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import encode_text, prefix_token_id, rolling_windows
 
 
-DEFAULT_WINDOW = 16384  # prompts planned at once by iter_generate, and the watermark of waiting sequences
+DEFAULT_WINDOW = 16384  # prompts planned at once by iter_generate, and the watermark of waiting requests
+WAITING_TOKENS_WATERMARK = 1 << 21  # prompt tokens the waiting queue may hold before admission pauses
 
 
 class LLM:
@@ -66,11 +66,15 @@ class LLM:
             requests = [(request_id, prompt, params) for request_id, (_, prompt, params) in zip(request_ids, requests)]
         return self._build_plan(requests)
 
-    def _build_plan(self, requests: list[tuple[int, object, SamplingParams]]) -> Plan:
-        """The plan of numbered requests, with this engine's limits and constraint compiler."""
+    def plan_limits(self) -> PlanLimits:
+        """What a prompt must fit to run on this engine; constraints are compiled for its vocabulary."""
         engine = self.engine
-        return build_plan(self.tokenizer, requests, self.config.block_size, engine.max_model_len - 1,
-                          engine.vocab_size, lambda params: engine.constraints.matcher(params))  # built at first use
+        return PlanLimits(self.config.block_size, engine.max_model_len - 1, engine.vocab_size,
+                          lambda params: engine.constraints.matcher(params))  # built at first use
+
+    def _build_plan(self, requests: list[tuple[int, object, SamplingParams]]) -> Plan:
+        """The plan of numbered requests, with this engine's limits."""
+        return build_plan(self.tokenizer, requests, self.plan_limits())
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -94,11 +98,13 @@ class LLM:
         numbered = _numbered(prompts, sampling_params)
         total = len(prompts) if isinstance(prompts, Sized) and not _is_single_prompt(prompts) else None
 
-        def next_plan() -> Plan | None:
-            chunk = list(itertools.islice(numbered, window))
-            return self._build_plan(chunk) if chunk else None
+        def planned() -> Iterator[PlannedRequest | PromptError]:
+            while chunk := list(itertools.islice(numbered, window)):
+                plan = self._build_plan(chunk)
+                yield from plan.errors
+                yield from plan.requests
 
-        yield from self._run(next_plan, total, use_tqdm, watermark=window, yield_errors=True)
+        yield from self.run_requests(planned(), total, use_tqdm, watermark=window)
 
     def score(self, pairs: Sequence[tuple], use_tqdm: bool = True) -> list[ScoreOutput]:
         """The log-likelihood of each (context, continuation) pair, in input order (lm-eval's
@@ -112,9 +118,7 @@ class LLM:
         default to the input positions."""
         pairs = list(pairs)
         request_ids = list(range(len(pairs))) if request_ids is None else list(request_ids)
-        engine = self.engine
-        plan = build_score_plan(self.tokenizer, zip(request_ids, pairs, strict=True), self.config.block_size,
-                                engine.max_model_len - 1, engine.vocab_size)
+        plan = build_score_plan(self.tokenizer, zip(request_ids, pairs, strict=True), self.plan_limits())
         for error in plan.errors:
             yield ScoreOutput(error.request_id, 0.0, False, 0, error.message)
         for output in self.run_plan(plan, use_tqdm):
@@ -141,43 +145,43 @@ class LLM:
     def run_plan(self, plan: Plan, use_tqdm: bool = True) -> Iterator[RequestOutput]:
         """Run the plan's requests in its order, yielding each output as it finishes (its
         errors are the caller's)."""
-        plans = iter([plan])
-        yield from self._run(lambda: next(plans, None), len(plan.requests), use_tqdm, watermark=None,
-                             yield_errors=False)
+        yield from self.run_requests(plan.requests, len(plan.requests), use_tqdm)
 
-    def _run(self, next_plan: Callable[[], Plan | None], total: int | None, use_tqdm: bool,
-             watermark: int | None, yield_errors: bool) -> Iterator[RequestOutput]:
-        """Step the engine until every plan `next_plan` gives is done. A plan's requests are admitted,
-        in its order, only while fewer than `watermark` sequences wait (None: all at once); the next
-        plan is taken once they all are. The bar shows this call's output tok/s and prefix hit rate."""
+    def run_requests(self, items: Iterable[PlannedRequest | PromptError], total: int | None = None,
+                     use_tqdm: bool = True, watermark: int = DEFAULT_WINDOW) -> Iterator[RequestOutput]:
+        """Step the engine until every item is done, yielding outputs as requests finish. Items are
+        taken lazily, in order, only while fewer than `watermark` requests and fewer than
+        `WAITING_TOKENS_WATERMARK` prompt tokens wait: a planned request is admitted, a prompt
+        error is yielded as its output. The bar (`total` items) shows this call's output tok/s
+        and prefix hit rate."""
         before = dataclasses.replace(self.stats)
         start_time = time.time()
-        pending: collections.deque = collections.deque()
-        plan, is_exhausted = None, False
+        items = iter(items)
+        engine = self.engine
+        is_exhausted = False
         with tqdm(total=total, desc="requests", disable=not use_tqdm, unit="req") as bar:
             while True:
-                while not is_exhausted and (watermark is None or self.engine.num_waiting < watermark):
-                    if not pending:
-                        plan = next_plan()
-                        if plan is None:
-                            is_exhausted = True
-                            break
-                        pending.extend(plan.requests)
-                        if yield_errors:
-                            bar.update(len(plan.errors))
-                            yield from (error.output(plan.arrival_time) for error in plan.errors)
-                        continue
-                    self._add(pending.popleft(), plan.arrival_time)
-                if not self.engine.has_unfinished():
+                while (not is_exhausted and engine.num_waiting < watermark
+                       and engine.num_waiting_tokens < WAITING_TOKENS_WATERMARK):
+                    item = next(items, None)
+                    if item is None:
+                        is_exhausted = True
+                    elif isinstance(item, PromptError):
+                        bar.update(1)
+                        yield item.output()
+                    else:
+                        self._add(item)
+                if not engine.has_unfinished():
                     return
-                finished = self.engine.step()
+                finished = engine.step()
                 if finished:
                     bar.update(len(finished))
                     bar.set_postfix_str(progress_text(self.stats.since(before), time.time() - start_time))
                 yield from finished
 
-    def _add(self, request: PlannedRequest, arrival_time: float) -> None:
-        self.engine.add_request(request.request_id, request.prompt, request.token_ids, request.params, arrival_time,
+    def _add(self, request: PlannedRequest) -> None:
+        self.engine.add_request(request.request_id, request.prompt, request.token_ids, request.params,
+                                request.arrival_time,
                                 request.block_hashes, request.logprob_start, request.scored_token_ids)
 
 

@@ -1,4 +1,10 @@
-"""A job end to end: read -> plan -> run -> write, and the plan alone.
+"""A job end to end: read -> plan -> run -> write, and the plan alone, in bounded memory.
+
+A job streams: the input is read in batches (`io.readers`); the plan pass (`job_plan`) encodes
+every row once and keeps per row only its token count and block-hash chain in memory (the row
+itself waits on disk in a `RowStore`); the run reads the rows back in the plan's order, admitted
+only while the engine's waiting queue is below its watermark (`LLM.run_requests`), and each
+finished row is written and released. Memory is bounded by the window, not the input.
 
 Invariants:
 - Everything that can be wrong with the job itself (file, input, columns, device, KV budget,
@@ -6,69 +12,90 @@ Invariants:
   raised as ``JobConfigError`` before any model is loaded.
 - Every input row of the job ends as output rows (one per sample) exactly once: bad rows
   and rows whose per-row sampling values are invalid become ``finish_reason: error`` rows
-  without reaching the engine; committed rows of an earlier run are skipped.
-- ``plan_job`` and ``run_job`` turn rows into prompts and sampling through the same
-  functions and plan them with the same ``build_plan`` (keyed by row index), so the plan's
+  without reaching the engine; committed rows of an earlier run are skipped (not read into
+  the plan, never recomputed).
+- ``plan_job`` and ``run_job`` plan with the same ``job_plan.plan_job_rows``, so the plan's
   token counts are the run's counters when the KV pool is large enough; every error a plan
   finds names its row.
-- The pipeline talks to the engine only through ``LLM`` (``plan``, ``run_plan``, ``stats``).
+- The pipeline talks to the engine only through ``LLM`` (``plan_limits``, ``run_requests``, ``stats``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import resource
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import torch
-from transformers import PreTrainedTokenizerBase
+from tqdm.auto import tqdm
 
 from batchgen import models
 from batchgen.config import JobConfig
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
 from batchgen.io.output_table import arrow_type_of_schema, output_rows, output_schema, score_schema
-from batchgen.io.readers import InputRow, carried_fields, input_columns, iter_rows, open_table
+from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
+from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter, version_metadata
+from batchgen.job_plan import JobPlan, plan_job_rows, row_error, split_rows
 from batchgen.llm import LLM
 from batchgen.outputs import FinishReason, RequestOutput
-from batchgen.plan import Plan, build_plan, build_score_plan
+from batchgen.plan import PlanLimits, build_score_plan
 from batchgen.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
-from batchgen.sampling_params import SamplingParams
 from batchgen.score_job import pair_error, run_scoring, score_pairs, write_failed_row
 
 MAX_PREFIX_GROUPS = 5
 MAX_ORDER_IDS = 10
 MAX_BAD_ROW_ERRORS = 5
 MAX_GROUP_IDS = 5
+SCORE_CHUNK_ROWS = 16384  # rows of a score job scored as one plan
 TOKEN_COUNTERS = ("num_prompt_tokens", "num_computed_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens")
 
 
-def open_input(config: JobConfig) -> tuple[pa.Table, pa.Schema]:
-    """The input table and the output schema, after checking every column the job names."""
+def open_input(config: JobConfig) -> tuple[InputSource, pa.Schema]:
+    """The opened input and the output schema, after checking every column the job names."""
     try:
-        table = open_table(config.input)
+        source = open_source(config.input)
     except ValueError as error:
         raise config.error("input.path", str(error)) from None
-    available = input_columns(table)
     for key, columns in config.column_keys().items():
-        missing = [column for column in columns if column not in available]
+        missing = [column for column in columns if column not in source.columns]
         if missing:
             raise config.error(key, f"no column {', '.join(map(repr, missing))} in the input; "
-                               f"available columns: {', '.join(available) or '(none)'}")
+                               f"available columns: {', '.join(source.columns) or '(none)'}")
     try:
-        carried = carried_fields(table, config.input)
+        carried = source.fields(list(config.input.carry_columns))
         if config.task == "score":
             schema = score_schema(carried)
         else:
             schema = output_schema(carried, has_sample_index(config), json_output_type(config))
     except ValueError as error:
         raise config.error("input.carry_columns", str(error)) from None
-    return table, schema
+    return source, schema
+
+
+def num_job_rows(source: InputSource, limit: int | None) -> int:
+    return source.num_rows if limit is None else min(limit, source.num_rows)
+
+
+def row_batches(config: JobConfig, source: InputSource, limit: int | None, skipped: set[int],
+                use_tqdm: bool, desc: str) -> Iterator[list[InputRow]]:
+    """The job's rows in input order, in batches, without those in `skipped`; a bar counts them."""
+    rows = iter_rows(source, config.input, limit, config.sampling.overrides)
+    total = num_job_rows(source, limit)
+    with tqdm(total=total, desc=desc, disable=not use_tqdm, unit="row") as bar:
+        for batch in rows:
+            bar.update(len(batch))
+            batch = [row for row in batch if row.index not in skipped] if skipped else batch
+            if batch:
+                yield batch
 
 
 def json_output_type(config: JobConfig) -> pa.DataType | None:
@@ -87,80 +114,82 @@ def has_sample_index(config: JobConfig) -> bool:
     return config.sampling.params.n > 1 or "n" in config.sampling.overrides
 
 
-def read_rows(config: JobConfig, table: pa.Table, limit: int | None) -> list[InputRow]:
-    return list(iter_rows(table, config.input, limit, config.sampling.overrides))
-
-
-def row_params(config: JobConfig, row: InputRow) -> SamplingParams:
-    """The row's sampling: the job's, with the row's override columns on top (``ValueError`` if invalid)."""
-    if not row.overrides:
-        return config.sampling.params
-    try:
-        return SamplingParams(**{**config.sampling.params.to_dict(), **row.overrides})
-    except ValueError as error:
-        raise ValueError(f"row {row.index}: invalid sampling override: {error}") from None
-
-
-def split_rows(config: JobConfig, rows: list[InputRow]) -> tuple[list[tuple[InputRow, SamplingParams]], list[InputRow]]:
-    """(rows for the engine with their sampling, bad rows with ``error`` set)."""
-    good, bad = [], []
-    for row in rows:
-        if row.error is None:
-            try:
-                good.append((row, row_params(config, row)))
-                continue
-            except ValueError as error:
-                row = dataclasses.replace(row, prompt=None, error=str(error))
-        bad.append(row)
-    return good, bad
-
-
-def plan_job(config: JobConfig, limit: int | None = None) -> PlanReport:
+def plan_job(config: JobConfig, limit: int | None = None, use_tqdm: bool = False) -> PlanReport:
     """The plan of the job's rows, from the tokenizer and model config alone (no weights, no forward)."""
-    table, _ = open_input(config)
-    rows = read_rows(config, table, limit)
-    good, bad = split_rows(config, rows)
+    source, _ = open_input(config)
     try:
         tokenizer, model_config = models.load_tokenizer_and_config(config.model)
     except ValueError as error:
         raise config.error("model", str(error)) from None
     text_config = model_config.get_text_config()
-    limits = (config.engine.block_size, models.max_context_len(text_config) - 1, text_config.vocab_size)
-    errors = [(row.index, row.error) for row in bad]
+    limits = PlanLimits(config.engine.block_size, models.max_context_len(text_config) - 1, text_config.vocab_size)
+    errors = FirstErrors()
+    batches = row_batches(config, source, limit, set(), use_tqdm, "plan")
     if config.task == "score":
-        pairs, owners = score_pairs([row for row, _ in good])
-        plan = build_score_plan(tokenizer, pairs, *limits)
-        errors += [(owners[e.request_id][0], pair_error(owners, e.request_id, e.message)) for e in plan.errors]
-        row_ids = {row.index: row.id for row, _ in good}
-        ids = {request_id: row_ids[owner[0]] for request_id, owner in owners.items()}
-    else:
-        plan = build_plan(tokenizer, ((row.index, row.prompt, params) for row, params in good), *limits)
-        errors += [(error.request_id, row_error(error.request_id, error.message)) for error in plan.errors]
-        ids = {row.index: row.id for row, _ in good}
-    return plan_report(config, plan, tokenizer, ids, len(rows), [message for _, message in sorted(errors)])
+        return score_plan_report(config, [row for batch in batches for row in batch], tokenizer, limits, errors)
+    with RowStore(tempfile.gettempdir()) as store:
+        plan = plan_job_rows(batches, tokenizer, limits, config.sampling.params, store, errors.add)
+        return plan_report(config, plan, tokenizer, num_job_rows(source, limit), errors)
 
 
-def row_error(row_index: int, message: str) -> str:
-    """An error message that names its input row."""
-    return f"row {row_index}: {message}"
+class FirstErrors:
+    """The number of bad rows and the messages of the first few, in input order."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: list[tuple[int, str]] = []
+
+    def add(self, row: InputRow, num_samples: int = 1) -> None:
+        self.count += 1
+        self.first = sorted([*self.first, (row.index, row.error)])[:MAX_BAD_ROW_ERRORS]
+
+    def messages(self) -> list[str]:
+        return [message for _, message in self.first]
 
 
-def plan_report(config: JobConfig, plan: Plan, tokenizer: PreTrainedTokenizerBase,
-                ids: dict[int, str], num_rows: int, errors: list[str]) -> PlanReport:
-    stats = plan.stats
+def plan_report(config: JobConfig, plan: JobPlan, tokenizer, num_rows: int, errors: FirstErrors) -> PlanReport:
+    def row_id(position: int) -> str:
+        return plan.record(position)[0].id
+
     groups = [
         PrefixGroupReport(group.num_requests, group.num_shared_tokens,
                           snippet(tokenizer.decode(group.shared_token_ids)),
-                          [ids[index] for index in group.request_ids[:MAX_GROUP_IDS]])
+                          [row_id(position) for position in group.request_ids[:MAX_GROUP_IDS]])
         for group in plan.prefix_groups(MAX_PREFIX_GROUPS)
     ]
+    order_ids = [row_id(int(position)) for position in plan.order[:MAX_ORDER_IDS]]
+    return _report(config, plan.stats, plan.tree.block_size, num_rows, errors, groups, order_ids)
+
+
+def score_plan_report(config: JobConfig, rows: list[InputRow], tokenizer, limits: PlanLimits,
+                      errors: FirstErrors) -> PlanReport:
+    """A score job's plan: every continuation of every row is one scoring request (in memory)."""
+    good, bad = split_rows(config.sampling.params, rows)
+    for row in bad:
+        errors.add(row)
+    pairs, owners = score_pairs([row for row, _ in good])
+    plan = build_score_plan(tokenizer, pairs, limits)
+    by_index = {row.index: row for row, _ in good}
+    for error in plan.errors:
+        row = by_index[owners[error.request_id][0]]
+        errors.add(dataclasses.replace(row, error=pair_error(owners, error.request_id, error.message)))
+    ids = {request_id: by_index[owner[0]].id for request_id, owner in owners.items()}
+    groups = [PrefixGroupReport(group.num_requests, group.num_shared_tokens,
+                                snippet(tokenizer.decode(group.shared_token_ids)),
+                                [ids[index] for index in group.request_ids[:MAX_GROUP_IDS]])
+              for group in plan.prefix_groups(MAX_PREFIX_GROUPS)]
+    order_ids = [ids[request.request_id] for request in plan.requests[:MAX_ORDER_IDS]]
+    return _report(config, plan.stats, plan.block_size, len(rows), errors, groups, order_ids)
+
+
+def _report(config: JobConfig, stats, block_size: int, num_rows: int, errors: FirstErrors,
+            groups: list[PrefixGroupReport], order_ids: list[str]) -> PlanReport:
     return PlanReport(
-        job=str(config.job_path), block_size=plan.block_size, num_rows=num_rows,
-        num_requests=stats.num_requests, num_bad_rows=len(errors), num_prompt_tokens=stats.num_prompt_tokens,
+        job=str(config.job_path), block_size=block_size, num_rows=num_rows,
+        num_requests=stats.num_requests, num_bad_rows=errors.count, num_prompt_tokens=stats.num_prompt_tokens,
         num_tokens_to_prefill=stats.num_tokens_to_prefill, num_cached_tokens=stats.num_cached_tokens,
-        ideal_hit_rate=stats.ideal_hit_rate, prefix_groups=groups,
-        run_order_ids=[ids[request.request_id] for request in plan.requests[:MAX_ORDER_IDS]],
-        bad_row_errors=errors[:MAX_BAD_ROW_ERRORS],
+        ideal_hit_rate=stats.ideal_hit_rate, prefix_groups=groups, run_order_ids=order_ids,
+        bad_row_errors=errors.messages(),
     )
 
 
@@ -215,62 +244,74 @@ def check_engine(config: JobConfig) -> None:
 def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = True) -> JobSummary:
     """Run the job's first ``limit`` rows (all when None), resuming a partial output; see the module docstring."""
     start_time = time.time()
-    table, schema = open_input(config)
-    rows = read_rows(config, table, limit)
+    source, schema = open_input(config)
+    num_rows = num_job_rows(source, limit)
     check_engine(config)
     with open_writer(config, schema) as writer:
-        committed = writer.committed_indices()
-        todo = [row for row in rows if row.index not in committed]
-        if not todo:
-            writer.finish()
-            return JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=True,
-                              num_input_rows=len(rows), num_skipped_rows=len(rows), num_rows_ok=0,
-                              num_rows_failed=0, num_failed_in_output=writer.num_error_rows())
-        counts = Counter(ok=0, failed=0)
-        try:
-            engine_stats = generate(config, writer, todo, counts, use_tqdm)
-        except KeyboardInterrupt:
-            writer.flush()  # keep the finished rows: a rerun resumes after them
-            raise
+        committed = {index for index in writer.committed_indices() if index < num_rows}
+        summary = JobSummary(job=str(config.job_path), output_path=str(config.output.path),
+                             is_nothing_to_do=len(committed) == num_rows, num_input_rows=num_rows,
+                             num_skipped_rows=len(committed), num_rows_ok=0, num_rows_failed=0, num_failed_in_output=0)
+        if not summary.is_nothing_to_do:
+            counts = Counter(ok=0, failed=0)
+            try:
+                engine_stats = generate(config, writer, row_batches(config, source, limit, committed, use_tqdm, "plan"),
+                                        counts, use_tqdm)
+            except KeyboardInterrupt:
+                writer.flush()  # keep the finished rows: a rerun resumes after them
+                raise
+            summary.num_rows_ok, summary.num_rows_failed = counts["ok"], counts["failed"]
+            for name in TOKEN_COUNTERS:
+                setattr(summary, name, getattr(engine_stats, name))
         writer.finish()
-    summary = JobSummary(job=str(config.job_path), output_path=str(config.output.path), is_nothing_to_do=False,
-                         num_input_rows=len(rows), num_skipped_rows=len(rows) - len(todo),
-                         num_rows_ok=counts["ok"], num_rows_failed=counts["failed"],
-                         num_failed_in_output=writer.num_error_rows(),
-                         **{name: getattr(engine_stats, name) for name in TOKEN_COUNTERS})
-    _add_measurements(summary, time.time() - start_time)
-    summary_path(config).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        summary.num_failed_in_output = writer.num_error_rows()
+    if not summary.is_nothing_to_do:
+        _add_measurements(summary, time.time() - start_time)
+        summary_path(config).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary
 
 
-def generate(config: JobConfig, writer: ShardWriter, rows: list[InputRow], counts: Counter,
+def generate(config: JobConfig, writer: ShardWriter, batches: Iterable[list[InputRow]], counts: Counter,
              use_tqdm: bool) -> EngineStats:
-    """Write every row's outputs (bad rows first, then the engine's as they finish); returns the
-    engine's counters. The model is loaded only when at least one row can reach it."""
-    good, bad = split_rows(config, rows)
+    """Write every row's outputs (rows that cannot run as they are planned, then the engine's as
+    they finish); returns the engine's counters."""
     layout = (has_sample_index(config), json_output_type(config))
-    for row in bad:
-        if config.task == "score":
-            write_failed_row(writer, row, counts)
-            continue
-        failed = RequestOutput.failed(row.index, None, [], config.sampling.params.n, row.error, time.time())
-        _write(writer, layout, row, failed, counts)
-    if not good:
-        return EngineStats()
     llm = load_llm(config)
     if config.task == "score":
-        run_scoring(llm, writer, [row for row, _ in good], counts, use_tqdm)
+        score_rows_in_chunks(config, llm, writer, batches, counts, use_tqdm)
         return llm.stats
-    rows_by_index = {row.index: row for row, _ in good}
-    plan = llm.plan([row.prompt for row, _ in good], [params for _, params in good],
-                    request_ids=[row.index for row, _ in good])
-    for error in plan.errors:
-        failed = RequestOutput.failed(error.request_id, None, [], error.n, row_error(error.request_id, error.message),
-                                      plan.arrival_time)
-        _write(writer, layout, rows_by_index[error.request_id], failed, counts)
-    for output in llm.run_plan(plan, use_tqdm):
-        _write(writer, layout, rows_by_index[output.request_id], output, counts)
+
+    def write_failed(row: InputRow, num_samples: int) -> None:
+        _write(writer, layout, row, RequestOutput.failed(row.index, None, [], num_samples, row.error, time.time()),
+               counts)
+
+    with RowStore(Path(config.output.path).parent) as store:
+        plan = plan_job_rows(batches, llm.tokenizer, llm.plan_limits(), config.sampling.params, store, write_failed)
+        running: dict[int, InputRow] = {}  # admitted rows, until written
+
+        def requests() -> Iterator:
+            for row, request in plan.in_order():
+                running[row.index] = row
+                yield request
+
+        for output in llm.run_requests(requests(), len(plan.order), use_tqdm):
+            _write(writer, layout, running.pop(output.request_id), output, counts)
     return llm.stats
+
+
+def score_rows_in_chunks(config: JobConfig, llm: LLM, writer: ShardWriter, batches: Iterable[list[InputRow]],
+                         counts: Counter, use_tqdm: bool) -> None:
+    """Score the rows `SCORE_CHUNK_ROWS` at a time (each chunk one plan; the prefix cache carries
+    hot prefixes across chunks)."""
+    chunk: list[InputRow] = []
+    for batch in itertools.chain(batches, [[]]):
+        chunk += batch
+        if chunk and (len(chunk) >= SCORE_CHUNK_ROWS or not batch):
+            good, bad = split_rows(config.sampling.params, chunk)
+            for row in bad:
+                write_failed_row(writer, row, counts)
+            run_scoring(llm, writer, [row for row, _ in good], counts, use_tqdm)
+            chunk = []
 
 
 def load_llm(config: JobConfig) -> LLM:

@@ -25,7 +25,7 @@ from batchgen.engine import constraints
 from batchgen.engine.block_hash import BlockHash, hash_blocks
 from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.outputs import RequestOutput
-from batchgen.prompts import encode_prompt, encode_texts
+from batchgen.prompts import encode_batch, encode_prompt
 from batchgen.scoring import encode_pair
 from batchgen.sampling_params import SamplingParams
 
@@ -37,8 +37,15 @@ class PlannedRequest:
     token_ids: list[int]
     block_hashes: list[BlockHash]
     params: SamplingParams
+    arrival_time: float  # when the prompt was handed in
     logprob_start: int | None = None  # first position whose token's logprob is wanted
     scored_token_ids: list[int] | None = None  # a scoring request's tokens: the prompt and one more
+
+    @property
+    def max_reused_tokens(self) -> int:
+        """Leading tokens the prefix cache may serve: all but the last, and none at or after
+        the first scored position."""
+        return len(self.token_ids) - 1 if self.logprob_start is None else self.logprob_start - 1
 
 
 @dataclass
@@ -49,9 +56,10 @@ class PromptError:
     prompt: str | None
     n: int
     message: str
+    arrival_time: float
 
-    def output(self, arrival_time: float) -> RequestOutput:
-        return RequestOutput.failed(self.request_id, self.prompt, [], self.n, self.message, arrival_time)
+    def output(self) -> RequestOutput:
+        return RequestOutput.failed(self.request_id, self.prompt, [], self.n, self.message, self.arrival_time)
 
 
 @dataclass
@@ -61,59 +69,70 @@ class Plan:
     errors: list[PromptError]
     stats: PlanStats
     tree: RadixTree = field(repr=False)
-    arrival_time: float = field(default_factory=time.time)  # when the prompts were handed in
 
     def prefix_groups(self, max_groups: int = 10) -> list[PrefixGroup]:
         """The deepest shared prefixes, most tokens saved first (see `RadixTree.prefix_groups`)."""
-        return self.tree.prefix_groups(max_groups)
+        token_ids = {request.request_id: request.token_ids for request in self.requests}
+        return self.tree.prefix_groups(max_groups, token_ids.__getitem__)
 
 
-def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams]], block_size: int,
-               max_prompt_len: int, vocab_size: int,
-               check_constraint: Callable[[SamplingParams], Any] = constraints.check,
-               scores: dict[int, tuple[int, list[int]]] | None = None) -> Plan:
-    """The plan of `(request_id, prompt, params)` triples; see the module docstring.
+@dataclass
+class PlanLimits:
+    """What a prompt must fit: the KV block size, the longest prompt, the vocabulary, and the
+    constraint check (raises ValueError for a constraint that cannot run; by default the
+    grammar check alone, the engine's compiler also compiles it for its vocabulary)."""
 
-    `check_constraint` raises ValueError for a request whose constraint cannot run (by default
-    the grammar check alone; the engine's compiler also compiles it for its vocabulary).
-    `scores` maps the ids of scoring requests (nothing generated) to (position of the first
-    scored token, the scored tokens: the prompt and one more); their prefix reuse stops before
-    the first scored token."""
+    block_size: int
+    max_prompt_len: int
+    vocab_size: int
+    check_constraint: Callable[[SamplingParams], Any] = constraints.check
+
+
+def plan_requests(tokenizer: Any, requests: list[tuple[int, Any, SamplingParams]], limits: PlanLimits,
+                  scores: dict[int, tuple[int, list[int]]] | None = None
+                  ) -> tuple[list[PlannedRequest], list[PromptError]]:
+    """Encode (in batches) and check `(request_id, prompt, params)` triples, in their order:
+    each becomes a planned request or a prompt error. `scores` maps the ids of scoring requests
+    (nothing generated) to (position of the first scored token, the scored tokens: the prompt
+    and one more)."""
     scores = scores or {}
     arrival_time = time.time()
-    tree = RadixTree(block_size)
-    planned: dict[int, PlannedRequest] = {}
-    errors = []
-    requests = list(requests)
-    encoded_texts = encode_texts(tokenizer, [prompt for _, prompt, _ in requests])
-    for request_id, prompt, params in requests:
+    planned, errors = [], []
+    encoded = encode_batch(tokenizer, [prompt for _, prompt, _ in requests])
+    for (request_id, prompt, params), token_ids in zip(requests, encoded):
         text = prompt if isinstance(prompt, str) else None
         try:
-            token_ids = encoded_texts.get(prompt) if text else None
             token_ids = encode_prompt(tokenizer, prompt) if token_ids is None else token_ids
             # a scoring request generates nothing: it may fill the whole context
-            _check_prompt_tokens(token_ids, max_prompt_len + (request_id in scores), vocab_size)
+            _check_prompt_tokens(token_ids, limits.max_prompt_len + (request_id in scores), limits.vocab_size)
             if params.constraint is not None:
-                check_constraint(params)
+                limits.check_constraint(params)
         except ValueError as error:
-            errors.append(PromptError(request_id, text, params.n, str(error)))
+            errors.append(PromptError(request_id, text, params.n, str(error), arrival_time))
             continue
         except Exception as error:  # the tokenizer or chat template refused this prompt's content
             errors.append(PromptError(request_id, text, params.n,
-                                      f"the tokenizer cannot encode this prompt: {type(error).__name__}: {error}"))
+                                      f"the tokenizer cannot encode this prompt: {type(error).__name__}: {error}",
+                                      arrival_time))
             continue
-        block_hashes = hash_blocks(token_ids, block_size)
         logprob_start, scored = scores.get(request_id, (1 if params.prompt_logprobs is not None else None, None))
-        max_reused = len(token_ids) - 1 if logprob_start is None else logprob_start - 1
-        tree.insert(request_id, token_ids, block_hashes, max_reused)
-        planned[request_id] = PlannedRequest(request_id, text, token_ids, block_hashes, params, logprob_start,
-                                             scored)
-    ordered = [planned[request_id] for request_id in tree.order()]
-    return Plan(block_size, ordered, errors, tree.stats(), tree, arrival_time)
+        planned.append(PlannedRequest(request_id, text, token_ids, hash_blocks(token_ids, limits.block_size), params,
+                                      arrival_time, logprob_start, scored))
+    return planned, errors
 
 
-def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], block_size: int, max_prompt_len: int,
-                     vocab_size: int) -> Plan:
+def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams]], limits: PlanLimits,
+               scores: dict[int, tuple[int, list[int]]] | None = None) -> Plan:
+    """The plan of `(request_id, prompt, params)` triples (see `plan_requests`); see the module docstring."""
+    planned, errors = plan_requests(tokenizer, list(requests), limits, scores)
+    tree = RadixTree(limits.block_size)
+    for request in planned:
+        tree.insert(request.request_id, request.token_ids, request.block_hashes, request.max_reused_tokens)
+    by_id = {request.request_id: request for request in planned}
+    return Plan(limits.block_size, [by_id[request_id] for request_id in tree.order()], errors, tree.stats(), tree)
+
+
+def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], limits: PlanLimits) -> Plan:
     """The plan of `(request_id, (context, continuation))` scoring requests: each pair is split
     and encoded as `batchgen.scoring` says; a malformed pair is an error of the plan."""
     requests, scores, errors = [], {}, []
@@ -124,11 +143,11 @@ def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], block_siz
                 raise ValueError(f"a pair must be (context, continuation), got {type(pair).__name__}")
             context_ids, continuation_ids = encode_pair(tokenizer, *pair)
         except ValueError as error:
-            errors.append(PromptError(request_id, None, 1, str(error)))
+            errors.append(PromptError(request_id, None, 1, str(error), time.time()))
             continue
         scores[request_id] = (len(context_ids), context_ids + continuation_ids)
         requests.append((request_id, scores[request_id][1][:-1], params))
-    plan = build_plan(tokenizer, requests, block_size, max_prompt_len, vocab_size, scores=scores)
+    plan = build_plan(tokenizer, requests, limits, scores)
     plan.errors = errors + plan.errors
     return plan
 

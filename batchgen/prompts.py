@@ -49,17 +49,56 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     return token_ids
 
 
-def encode_texts(tokenizer: Any, prompts: list) -> dict[str, list[int]]:
-    """The token ids of every non-empty text prompt, from one batched call of a fast tokenizer
-    (the same ids `encode_prompt` gives); empty when the tokenizer has no batch call or the batch
-    fails on one text (each prompt is then encoded, and refused, on its own)."""
-    texts = list(dict.fromkeys(p for p in prompts if isinstance(p, str) and p))
-    if not texts or not getattr(tokenizer, "is_fast", False):
-        return {}
+def encode_batch(tokenizer: Any, prompts: list) -> list[list[int] | None]:
+    """The token ids of each prompt from batched calls of a fast tokenizer (the ids
+    `encode_prompt` gives): texts in one call, chat messages rendered by the template and then
+    encoded in one call. None for a prompt left to `encode_prompt` (token ids, a malformed
+    prompt, a slow tokenizer, or a batch the tokenizer refuses: each is then encoded, and
+    refused, on its own)."""
+    encoded: list[list[int] | None] = [None] * len(prompts)
+    if not getattr(tokenizer, "is_fast", False):
+        return encoded
+    texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str) and p]
+    chats = [(i, messages) for i, messages in enumerate(map(_checked_chat, prompts)) if messages is not None]
+    for positions, token_ids in (_encode_texts(tokenizer, texts), _encode_chats(tokenizer, chats)):
+        for position, ids in zip(positions, token_ids):
+            encoded[position] = ids
+    return encoded
+
+
+def _encode_texts(tokenizer: Any, texts: list[tuple[int, str]],
+                  add_special_tokens: bool = True) -> tuple[list[int], list[list[int]]]:
+    if not texts:
+        return [], []
     try:
-        return dict(zip(texts, tokenizer(texts)["input_ids"], strict=True))
+        token_ids = tokenizer([text for _, text in texts], add_special_tokens=add_special_tokens)["input_ids"]
     except Exception:  # one text the tokenizer refuses (a lone surrogate): fall back to one call each
-        return {}
+        return [], []
+    return [position for position, _ in texts], token_ids
+
+
+def _encode_chats(tokenizer: Any, chats: list[tuple[int, list[dict]]]) -> tuple[list[int], list[list[int]]]:
+    """Rendered in one template call, then encoded without special tokens (the template has
+    them): what ``apply_chat_template(..., tokenize=True)`` does for one conversation."""
+    if not chats or not getattr(tokenizer, "chat_template", None):
+        return [], []
+    try:
+        rendered = tokenizer.apply_chat_template([messages for _, messages in chats], tokenize=False,
+                                                 add_generation_prompt=True)
+    except Exception:  # the template refuses one conversation: fall back to one call each
+        return [], []
+    return _encode_texts(tokenizer, [(position, text) for (position, _), text in zip(chats, rendered)],
+                         add_special_tokens=False)
+
+
+def _checked_chat(prompt: Any) -> list[dict] | None:
+    """The prompt's checked messages, or None when it is not a valid list of messages."""
+    if not (isinstance(prompt, list) and prompt and all(isinstance(item, dict) for item in prompt)):
+        return None
+    try:
+        return check_messages(prompt)
+    except ValueError:
+        return None
 
 
 def _encode_text(tokenizer: Any, text: str) -> list[int]:

@@ -289,20 +289,20 @@ def test_resume_skips_committed_rows_and_matches_one_full_run(tmp_path, model_di
 def test_interrupted_run_keeps_finished_rows_and_resumes_after_them(tmp_path, model_dir, monkeypatch):
     write_jsonl(tmp_path / "in.jsonl", PLAIN_RECORDS)
     job = write_job(tmp_path, model_dir, {"path": "in.jsonl"}, output={"path": "out/answers.parquet"})
-    real_run_plan = LLM.run_plan
+    real_run_requests = LLM.run_requests
 
     def interrupted_after_two(self, *args, **kwargs):
-        for number, output in enumerate(real_run_plan(self, *args, **kwargs), 1):
+        for number, output in enumerate(real_run_requests(self, *args, **kwargs), 1):
             yield output
             if number == 2:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(LLM, "run_plan", interrupted_after_two)
+    monkeypatch.setattr(LLM, "run_requests", interrupted_after_two)
     with pytest.raises(KeyboardInterrupt):
         run_job(load_job(job), use_tqdm=False)
     manifest = json.loads((tmp_path / "out" / "answers.parquet.shards" / MANIFEST_NAME).read_text())
     assert manifest["num_rows"] == 2
-    monkeypatch.setattr(LLM, "run_plan", real_run_plan)
+    monkeypatch.setattr(LLM, "run_requests", real_run_requests)
     summary = run_job(load_job(job), use_tqdm=False)
     assert (summary.num_skipped_rows, summary.num_rows_ok) == (2, 6)
     assert [row["row_index"] for row in read_output(tmp_path / "out" / "answers.parquet")] == list(range(8))

@@ -48,9 +48,14 @@ def test_messages_need_a_chat_template():
         encode_prompt(plain, [{"role": "user", "content": "w10"}])
 
 
-def test_texts_are_encoded_in_one_batch_as_encode_prompt_encodes_them():
-    from batchgen.prompts import encode_texts
+def test_texts_and_chats_are_encoded_in_batches_as_encode_prompt_encodes_them():
+    from batchgen.prompts import encode_batch
 
     texts = ["w10 w11 w12", "w13", "w10 w11 w12"]
-    assert encode_texts(TOKENIZER, [*texts, "", [5, 6], None]) == {t: encode_prompt(TOKENIZER, t) for t in texts}
-    assert encode_texts(TOKENIZER, ["w10", "bad \ud800"]) == {}  # one refused text: each is encoded alone
+    chats = [[{"role": "user", "content": "w10 w11"}], [{"role": "system", "content": "w12", "name": None},
+                                                       {"role": "user", "content": "w13"}]]
+    prompts = [*texts, *chats, "", [5, 6], None, [{"role": "nobody", "content": "w10"}]]
+    encoded = encode_batch(TOKENIZER, prompts)
+    assert encoded == [encode_prompt(TOKENIZER, p) for p in [*texts, *chats]] + [None] * 4
+    # one refused text: each is encoded alone
+    assert encode_batch(TOKENIZER, ["w10", "bad \ud800", chats[0]]) == [None, None, encode_prompt(TOKENIZER, chats[0])]

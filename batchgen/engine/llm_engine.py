@@ -82,11 +82,17 @@ class LLMEngine:
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(prompt_token_ids)
         self.stats.max_num_waiting = max(self.stats.max_num_waiting, self.num_waiting)
+        self.stats.max_num_waiting_tokens = max(self.stats.max_num_waiting_tokens, self.num_waiting_tokens)
 
     @property
     def num_waiting(self) -> int:
         """Sequences queued ahead of the scheduler (not yet running)."""
         return len(self.scheduler.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens of the waiting sequences."""
+        return self.scheduler.num_waiting_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self._finished) or self.scheduler.has_unfinished()

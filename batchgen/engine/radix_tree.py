@@ -1,25 +1,34 @@
-"""The planner: a prefix tree of full KV blocks over every prompt of a job.
+"""The planner: a prefix tree of full KV blocks over every prompt of a job, held as arrays.
 
-Each node below the root is one full block (``block_size`` tokens) identified
-by its chained hash. Fixed-size blocks never need node splitting.
+A node at depth ``d`` (``d`` >= 1) is a prefix of ``d`` full blocks, identified by the chained
+hash of its last block (``block_hash``): a chain hash stands for every token before it. The
+tree keeps per request only its id, token count, reuse cap and hash chain (about half a byte
+per prompt token), so a million prompts plan in a few hundred MB.
 
 Invariants:
-- A node at depth ``d`` stands for the first ``d`` full blocks of every request
-  in its subtree; the root (depth 0) stands for the empty prefix.
-- Children are told apart by hash AND token ids: a hash hit with different
-  tokens is a collision and becomes a separate child.
-- A request ends at the node of its last full block (the root if it has none);
-  its partial tail, if any, belongs to no node.
-- ``weight`` of a node = number of requests ending in its subtree.
-- ``first_index`` of a node = insertion index of the first request that
-  passed through it; it breaks ordering ties, so the plan is deterministic.
+- A request's path is its chain: the node at depth ``d`` is its ``d``-th block hash; it ends at
+  the node of its last full block (the root if it has none).
+- ``weight`` of a node = number of requests whose path passes through it.
+- ``first index`` of a node = insertion index of the first request through it; it breaks
+  ordering ties, so the plan is deterministic.
+- Nodes are told apart by their 64-bit chain hash alone. A collision could only misorder or
+  miscount the plan; the engine's block manager compares token ids on every cache hit, so
+  outputs never depend on it.
+- Every query works depth by depth on the requests still sharing a node with another request
+  (a request alone in its node has nothing left to order or share), so the cost follows the
+  shared prefixes, not the prompt lengths.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from batchgen.engine.block_hash import ROOT_HASH, BlockHash, hash_blocks
+import numpy as np
+
+from batchgen.engine.block_hash import BlockHash, hash_blocks
+
+CHUNK_ROWS = 8192  # inserted requests buffered in Python lists before becoming arrays
 
 
 @dataclass
@@ -43,31 +52,27 @@ class PrefixGroup:
     request_ids: list[int]  # sorted
 
 
-@dataclass(eq=False)
-class _Node:
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
-    parent: _Node | None
+@dataclass
+class _Chunk:
+    """The chains of inserted requests ``first_row ..``: request ``first_row + i`` has the hashes
+    ``hashes[starts[i] : starts[i] + lengths[i]]``."""
+
+    first_row: int
+    starts: np.ndarray
+    hashes: np.ndarray
+
+
+@dataclass
+class _Level:
+    """The requests that reach depth ``depth`` inside a shared node (ascending insertion index),
+    their node there (``nodes[inverse]``), and the node's weight and first index."""
+
     depth: int
-    first_index: int
-    weight: int = 0
-    request_ids: list[int] = field(default_factory=list)
-    children: dict[BlockHash, list[_Node]] = field(default_factory=dict)
-
-    def child(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> _Node | None:
-        """The child holding exactly this block, or None (a hash alone never matches)."""
-        for node in self.children.get(block_hash, ()):
-            if node.token_ids == token_ids:
-                return node
-        return None
-
-    def all_children(self) -> list[_Node]:
-        """Every child, in no particular order."""
-        return [node for same_hash in self.children.values() for node in same_hash]
-
-    def sorted_children(self) -> list[_Node]:
-        """Children, heavier subtree first, ties by first insertion."""
-        return sorted(self.all_children(), key=lambda node: (-node.weight, node.first_index))
+    rows: np.ndarray
+    nodes: np.ndarray
+    inverse: np.ndarray
+    weights: np.ndarray  # per node
+    first_rows: np.ndarray  # per node
 
 
 class RadixTree:
@@ -76,101 +81,174 @@ class RadixTree:
     def __init__(self, block_size: int = 16) -> None:
         assert block_size >= 1, "block_size must be >= 1"
         self.block_size = block_size
-        self._root = _Node(ROOT_HASH, (), None, 0, 0)
-        self._requests: dict[int, tuple[_Node, int, int]] = {}  # id -> (end node, tokens, max reused tokens)
+        self._chunks: list[_Chunk] = []
+        self._columns: dict[str, list[np.ndarray]] = {"ids": [], "tokens": [], "caps": [], "lengths": []}
+        self._pending: dict[str, list[int]] = {"ids": [], "tokens": [], "caps": [], "lengths": [], "hashes": []}
+        self._num_rows = 0
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._order: np.ndarray | None = None
 
-    def insert(self, request_id: int, token_ids: list[int], block_hashes: list[BlockHash] | None = None,
+    def insert(self, request_id: int, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None,
                max_reused_tokens: int | None = None) -> None:
-        """Add one prompt; request ids must be unique. ``block_hashes``: the prompt's chain
-        (``hash_blocks(token_ids, block_size)``) when the caller has it already;
-        ``max_reused_tokens``: how many leading tokens may come from the cache (default all but
-        the last; fewer for a request that scores its prompt)."""
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id} was already inserted")
-        index = len(self._requests)
-        node = self._root
-        node.weight += 1
-        size = self.block_size
+        """Add one prompt; request ids must be unique (ValueError at the first query otherwise).
+        ``block_hashes``: the prompt's chain (``hash_blocks(token_ids, block_size)``) when the
+        caller has it already; ``max_reused_tokens``: how many leading tokens may come from the
+        cache (default all but the last; fewer for a request that scores its prompt)."""
         if block_hashes is None:
-            block_hashes = hash_blocks(token_ids, size)
-        for i, block_hash in enumerate(block_hashes):
-            block = tuple(token_ids[i * size : (i + 1) * size])
-            child = node.child(block_hash, block)
-            if child is None:
-                child = _Node(block_hash, block, node, node.depth + 1, index)
-                node.children.setdefault(block_hash, []).append(child)
-            child.weight += 1
-            node = child
-        node.request_ids.append(request_id)
+            block_hashes = hash_blocks(list(token_ids), self.block_size)
         max_reused = len(token_ids) - 1 if max_reused_tokens is None else max_reused_tokens
-        self._requests[request_id] = (node, len(token_ids), max(max_reused, 0))
+        pending = self._pending
+        pending["ids"].append(request_id)
+        pending["tokens"].append(len(token_ids))
+        pending["caps"].append(max(max_reused, 0) // self.block_size)
+        pending["lengths"].append(len(block_hashes))
+        pending["hashes"].extend(block_hashes)
+        self._num_rows += 1
+        self._arrays = self._order = None
+        if len(pending["ids"]) >= CHUNK_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending = self._pending
+        if not pending["ids"]:
+            return
+        lengths = np.array(pending["lengths"], np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self._chunks.append(_Chunk(self._num_rows - len(lengths), starts, np.array(pending["hashes"], np.uint64)))
+        for name in self._columns:
+            self._columns[name].append(np.array(pending[name], np.int64))
+        self._pending = {name: [] for name in pending}
+
+    def _arrays_of(self) -> dict[str, np.ndarray]:
+        """ids, tokens, caps (reusable blocks), lengths (chain lengths) per inserted request."""
+        if self._arrays is None:
+            self._flush()
+            self._arrays = {name: np.concatenate(parts) if parts else np.zeros(0, np.int64)
+                            for name, parts in self._columns.items()}
+            self._columns = {name: [array] for name, array in self._arrays.items()}
+            ids = self._arrays["ids"]
+            if len(np.unique(ids)) != len(ids):
+                values, counts = np.unique(ids, return_counts=True)
+                raise ValueError(f"request id {int(values[counts > 1][0])} was inserted more than once")
+        return self._arrays
+
+    def _hashes_at(self, depth: int, rows: np.ndarray) -> np.ndarray:
+        """The depth-``depth`` chain hash of each of ``rows`` (ascending; each has that many blocks)."""
+        out = np.empty(len(rows), np.uint64)
+        bounds = np.searchsorted(rows, [chunk.first_row for chunk in self._chunks] + [self._num_rows])
+        for chunk, low, high in zip(self._chunks, bounds[:-1], bounds[1:]):
+            local = rows[low:high] - chunk.first_row
+            out[low:high] = chunk.hashes[chunk.starts[local] + depth]
+        return out
+
+    def _levels(self) -> Iterator[_Level]:
+        """Depth by depth, the requests inside a node shared with another request at the depth
+        above (every request at depth 0), with their nodes at this depth."""
+        lengths = self._arrays_of()["lengths"]
+        rows = np.flatnonzero(lengths > 0)
+        depth = 0
+        while rows.size:
+            nodes, first, inverse, weights = np.unique(self._hashes_at(depth, rows), return_index=True,
+                                                       return_inverse=True, return_counts=True)
+            level = _Level(depth, rows, nodes, inverse, weights, rows[first])
+            yield level
+            keep = (weights[inverse] >= 2) & (lengths[rows] > depth + 1)
+            rows = rows[keep]
+            depth += 1
 
     def order(self) -> list[int]:
-        """Run order: depth-first; at each node its own requests, then children heavier first."""
-        request_ids: list[int] = []
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            request_ids.extend(node.request_ids)
-            stack.extend(reversed(node.sorted_children()))
-        return request_ids
+        """Request ids in run order (see `order_indices`)."""
+        return self._arrays_of()["ids"][self.order_indices()].tolist()
+
+    def order_indices(self) -> np.ndarray:
+        """Insertion indices in run order: depth-first; at each node its own requests first (by insertion), then its
+        children, heavier subtree first, ties by first insertion.
+
+        Each request holds ``start``: the first position of its current group (the requests
+        with the same path so far) in the final order. A level splits every group into its
+        ended requests (which keep the start) and its child nodes, placed after them in child order.
+        """
+        if self._order is not None:
+            return self._order
+        num_rows = len(self._arrays_of()["ids"])
+        start = np.zeros(num_rows, np.int64)
+        group_size = np.full(num_rows, num_rows, np.int64)  # of each request's current group
+        for level in self._levels():
+            rows = level.rows
+            child_key = (num_rows - level.weights) * num_rows + level.first_rows  # heavier, then first
+            sort = np.lexsort((child_key[level.inverse], start[rows]))
+            group_starts, node_keys = start[rows][sort], child_key[level.inverse][sort]
+            position = np.arange(len(rows))
+            new_group = np.r_[True, group_starts[1:] != group_starts[:-1]]
+            new_node = new_group | np.r_[True, node_keys[1:] != node_keys[:-1]]
+            group_first = np.maximum.accumulate(np.where(new_group, position, 0))
+            node_first = np.maximum.accumulate(np.where(new_node, position, 0))
+            group_ids = np.cumsum(new_group) - 1
+            num_ended = group_size[rows][sort] - np.bincount(group_ids)[group_ids]
+            sorted_rows = rows[sort]
+            start[sorted_rows] = group_starts + num_ended + node_first - group_first
+            group_size[sorted_rows] = level.weights[level.inverse][sort]
+        self._order = np.argsort(start, kind="stable")
+        return self._order
 
     def stats(self) -> PlanStats:
         """Prefill totals when requests run in ``order()`` and no cached block is evicted.
 
-        A request reuses the blocks of its path already computed by an earlier
-        request, at most ``max_reused_tokens // block_size`` of them (``(L - 1) // block_size``
-        by default). Computed blocks are
-        marked walking up from each request's end node until a marked one, so
-        the whole walk is linear in the number of nodes plus requests.
+        A request reuses the nodes of its path that an earlier request computed, at most its cap
+        (``max_reused_tokens // block_size``, ``(L - 1) // block_size`` by default): inside each
+        shared node, every request but the first in run order reuses it.
         """
-        computed: set[_Node] = set()
-        num_prompt_tokens = 0
-        num_tokens_to_prefill = 0
-        for request_id in self.order():
-            node, num_tokens, max_reused = self._requests[request_id]
-            num_reused = node.depth
-            while node is not self._root and node not in computed:
-                computed.add(node)
-                num_reused -= 1
-                node = node.parent
-            num_reused = min(num_reused, max_reused // self.block_size)
-            num_prompt_tokens += num_tokens
-            num_tokens_to_prefill += num_tokens - num_reused * self.block_size
-        num_cached_tokens = num_prompt_tokens - num_tokens_to_prefill
-        hit_rate = num_cached_tokens / num_prompt_tokens if num_prompt_tokens else 0.0
-        return PlanStats(len(self._requests), num_prompt_tokens, num_tokens_to_prefill, num_cached_tokens, hit_rate)
+        arrays = self._arrays_of()
+        num_prompt_tokens = int(arrays["tokens"].sum())
+        reused = np.zeros(len(arrays["ids"]), np.int64)
+        if len(reused):
+            rank = np.empty(len(reused), np.int64)
+            rank[self.order_indices()] = np.arange(len(reused))
+            for level in self._levels():
+                first_rank = np.full(len(level.nodes), len(reused), np.int64)
+                np.minimum.at(first_rank, level.inverse, rank[level.rows])
+                reused[level.rows] += rank[level.rows] != first_rank[level.inverse]
+        num_cached = int(np.minimum(reused, arrays["caps"]).sum()) * self.block_size
+        hit_rate = num_cached / num_prompt_tokens if num_prompt_tokens else 0.0
+        return PlanStats(len(reused), num_prompt_tokens, num_prompt_tokens - num_cached, num_cached, hit_rate)
 
-    def prefix_groups(self, max_groups: int = 10) -> list[PrefixGroup]:
+    def prefix_groups(self, max_groups: int = 10,
+                      token_ids_of: Callable[[int], Sequence[int]] | None = None) -> list[PrefixGroup]:
         """Deepest shared prefixes, most tokens saved ((num_requests - 1) * num_shared_tokens) first.
 
-        A node qualifies when at least two requests share it and no child is
-        shared by all of them (that child would be a longer prefix of the same set).
+        A node qualifies when at least two requests share it and no child is shared by all of
+        them (that child would be a longer prefix of the same set). ``token_ids_of(request_id)``
+        gives a request's prompt tokens, for ``shared_token_ids`` (empty without it).
         """
-        candidates = [
-            node
-            for node in self._nodes()
-            if node.depth > 0 and node.weight >= 2 and all(c.weight < node.weight for c in node.all_children())
-        ]
-        candidates.sort(key=lambda node: (-(node.weight - 1) * node.depth, node.first_index, -node.depth))
-        return [self._group(node) for node in candidates[:max_groups]]
+        candidates: list[tuple[int, int, int, int]] = []  # (-tokens saved, first row, -depth, hash)
+        previous: _Level | None = None
+        for level in [*self._levels(), None]:
+            if previous is not None:
+                candidates += self._candidates(previous, level, max_groups)
+            previous = level
+        candidates.sort()
+        return [self._group(-negative_depth, node, token_ids_of)
+                for _, _, negative_depth, node in candidates[:max_groups]]
 
-    def _group(self, node: _Node) -> PrefixGroup:
-        blocks: list[tuple[int, ...]] = []
-        walker = node
-        while walker is not self._root:
-            blocks.append(walker.token_ids)
-            walker = walker.parent
-        shared_token_ids = [token for block in reversed(blocks) for token in block]
-        request_ids = sorted(request_id for sub in self._nodes(node) for request_id in sub.request_ids)
-        return PrefixGroup(node.weight, node.depth * self.block_size, shared_token_ids, request_ids)
+    def _candidates(self, level: _Level, below: _Level | None, max_groups: int) -> list[tuple[int, int, int, int]]:
+        """The best ``max_groups`` qualifying nodes of ``level``, given the level below it."""
+        is_full = np.zeros(len(level.nodes), bool)
+        if below is not None:
+            parent = level.inverse[np.searchsorted(level.rows, below.rows)]
+            child_weight = below.weights[below.inverse]
+            is_full[parent[child_weight == level.weights[parent]]] = True
+        qualifies = np.flatnonzero((level.weights >= 2) & ~is_full)
+        depth = level.depth + 1
+        saved = (level.weights[qualifies] - 1) * depth * self.block_size
+        best = qualifies[np.lexsort((level.first_rows[qualifies], -saved))[:max_groups]]
+        return [(-int((level.weights[node] - 1) * depth * self.block_size), int(level.first_rows[node]), -depth,
+                 int(level.nodes[node])) for node in best]
 
-    def _nodes(self, top: _Node | None = None) -> list[_Node]:
-        """Every node of the subtree under ``top`` (the whole tree by default), iteratively."""
-        nodes: list[_Node] = []
-        stack = [self._root if top is None else top]
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.all_children())
-        return nodes
+    def _group(self, depth: int, node: int, token_ids_of: Callable[[int], Sequence[int]] | None) -> PrefixGroup:
+        arrays = self._arrays_of()
+        rows = np.flatnonzero(arrays["lengths"] >= depth)
+        rows = rows[self._hashes_at(depth - 1, rows) == np.uint64(node)]
+        request_ids = sorted(arrays["ids"][rows].tolist())
+        num_shared = depth * self.block_size
+        shared = list(token_ids_of(int(arrays["ids"][rows[0]]))[:num_shared]) if token_ids_of else []
+        return PrefixGroup(len(rows), num_shared, shared, request_ids)

@@ -41,12 +41,21 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocked_lookahead = max_blocked_lookahead
         self.waiting: deque[Sequence] = deque()
+        self.num_waiting_tokens = 0  # = sum(len(seq) for seq in self.waiting)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._block_copies: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq, first=False)
+
+    def _enqueue(self, seq: Sequence, first: bool) -> None:
+        """Put `seq` in the waiting queue, first in line or last."""
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+        self.num_waiting_tokens += len(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,7 +92,7 @@ class Scheduler:
             child.num_computed_tokens = 0
             child.num_marked_blocks = 0
             child.status = SequenceStatus.WAITING
-            self.waiting.appendleft(child)
+            self._enqueue(child, first=True)
             return
         copy = self.block_manager.fork(seq, child)
         if copy is not None:
@@ -124,6 +133,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(needed + self._num_evictable_in(match)):
                 break
             self.waiting.popleft()
+            self.num_waiting_tokens -= len(seq)
             self.block_manager.allocate(seq, match, num_cached + num_new)
             self._admit(seq, num_cached)
             scheduled.append(ScheduledSeq(seq, num_new))
@@ -146,7 +156,7 @@ class Scheduler:
         """Free `seq`'s blocks and put it first in line; it recomputes its tokens later."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, first=True)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
@@ -155,5 +165,6 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+            self.num_waiting_tokens -= len(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -1,7 +1,8 @@
 """EngineStats: the engine's counters, one typed record.
 
 Token and step counters only grow; pool counters (`num_blocks_*`) are the pool's state after
-the latest step; `max_num_waiting` is the peak length of the waiting queue. `num_computed_prompt_tokens` counts prompt positions whose K/V were computed
+the latest step; `max_num_waiting` and `max_num_waiting_tokens` are the peaks of the waiting
+queue, as each request is added. `num_computed_prompt_tokens` counts prompt positions whose K/V were computed
 (recomputation after preemption included); with a pool large enough for no preemption it
 equals the plan's `num_tokens_to_prefill`.
 """
@@ -25,7 +26,8 @@ class EngineStats:
     num_blocks_cached: int = 0
     num_evictions: int = 0
     num_preemptions: int = 0
-    max_num_waiting: int = 0  # the longest the waiting queue has been
+    max_num_waiting: int = 0  # the longest the waiting queue has been (sequences)
+    max_num_waiting_tokens: int = 0  # the most tokens the waiting queue has held
 
     def since(self, before: EngineStats) -> EngineStats:
         """The counters' growth since `before` (pool counters: the difference of the two states)."""

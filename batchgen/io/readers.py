@@ -1,21 +1,24 @@
-"""Read an input table of prompts (Parquet, JSONL, HF datasets) into `InputRow`s.
+"""Read an input table of prompts (Parquet, JSONL, HF datasets) as a stream of `InputRow` batches.
 
-Whole-input problems (missing file, missing column, unknown split) raise ValueError
-with a message for the user. Row problems never raise: the row comes back with
-`prompt=None` and `error` naming the row and the column, and gets an error output.
+No reader holds the whole input: Parquet is read a record batch at a time (only the columns
+the job uses), JSONL a line at a time, a Hugging Face dataset (memory-mapped Arrow) by
+iteration. Whole-input problems (missing file, unknown split, unreadable file) raise ValueError
+with a message for the user. Row problems never raise: the row comes back with `prompt=None`
+and `error` naming the row and the column, and gets an error output.
 
-JSONL is parsed line by line here: a line that is not a JSON object becomes a bad row
-(its message is kept in the hidden `LINE_ERROR_COLUMN`). A JSONL column whose values
-Arrow cannot hold in one type (say text in one row, a number in the next) is stored as
-JSON text and decoded again row by row, so each row is checked on its own values.
+JSONL is scanned once when opened, for its columns (the union of the objects' keys), its row
+count and the Arrow type of each carried column; a line that is not a JSON object becomes a
+bad row. A carried JSONL column whose values Arrow cannot hold in one type (text in one row, a
+number in the next) is written as JSON text, strings unquoted.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,8 +27,8 @@ from batchgen.config_values import template_columns
 from batchgen.io.overrides import read_overrides
 from batchgen.prompts import BadRowError, apply_template, prompt_from_cell, shape_prompt
 
-LINE_ERROR_COLUMN = "__batchgen_line_error__"
-JSON_COLUMNS_KEY = b"batchgen.json_columns"
+BATCH_ROWS = 4096  # rows per batch read
+LINE_ERROR_KEY = "__batchgen_line_error__"  # a JSONL line that is not an object: its record holds only this
 
 
 @dataclass
@@ -66,31 +69,109 @@ def detect_format(path: str | Path) -> str:
     )
 
 
-def open_table(spec: Any) -> pa.Table:
-    """Load the input named by `spec` (path, format, dataset, split) as one Arrow table."""
+@dataclass
+class InputSource:
+    """An opened input: its columns, row count, the Arrow field of each column it can name, and
+    its records in input order, `batch_rows` at a time, holding only the columns asked for."""
+
+    columns: list[str]
+    num_rows: int
+    schema: pa.Schema
+    json_columns: set[str] = field(default_factory=set)  # JSONL columns of mixed types (see the module docstring)
+
+    def record_batches(self, columns: list[str], batch_rows: int) -> Iterator[list[dict]]:
+        raise NotImplementedError
+
+    def fields(self, names: list[str]) -> list[pa.Field]:
+        return [self.schema.field(name) for name in names]
+
+
+class ParquetSource(InputSource):
+    def __init__(self, paths: list[Path]):
+        try:
+            self.files = [pq.ParquetFile(path) for path in paths]
+            schema = pa.unify_schemas([file.schema_arrow for file in self.files])
+        except (pa.ArrowException, OSError) as error:
+            raise ValueError(f"cannot read {str(paths[0].parent if len(paths) > 1 else paths[0])!r} as Parquet: "
+                             f"{error}") from error
+        super().__init__(schema.names, sum(file.metadata.num_rows for file in self.files), schema)
+
+    def record_batches(self, columns: list[str], batch_rows: int) -> Iterator[list[dict]]:
+        for file in self.files:
+            present = [name for name in columns if name in file.schema_arrow.names]
+            for batch in file.iter_batches(batch_size=batch_rows, columns=present):
+                yield batch.to_pylist()
+
+
+class DatasetSource(InputSource):
+    """A Hugging Face `datasets.Dataset` (memory-mapped Arrow), read by iteration."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        schema = dataset.features.arrow_schema
+        super().__init__(list(dataset.column_names), len(dataset), schema)
+
+    def record_batches(self, columns: list[str], batch_rows: int) -> Iterator[list[dict]]:
+        selected = self.dataset.select_columns([name for name in columns if name in self.columns])
+        for batch in selected.with_format("arrow").iter(batch_size=batch_rows):
+            yield batch.to_pylist()
+
+
+class JsonlSource(InputSource):
+    def __init__(self, path: Path, carry_columns: list[str]):
+        self.path = path
+        names: dict[str, None] = {}
+        types: dict[str, pa.Field | None] = {name: None for name in carry_columns}
+        json_columns: set[str] = set()
+        num_rows = 0
+        for records in self._parsed(BATCH_ROWS):
+            num_rows += len(records)
+            for record in records:
+                names.update(dict.fromkeys(record))
+            for name in types:
+                if name not in json_columns:
+                    types[name], is_json = _unified_field(types[name], name, [r.get(name) for r in records])
+                    json_columns.update([name] if is_json else [])
+        names.pop(LINE_ERROR_KEY, None)
+        fields = [types[name] or pa.field(name, pa.null()) for name in carry_columns]
+        fields = [pa.field(f.name, pa.string()) if f.name in json_columns else f for f in fields]
+        super().__init__(list(names), num_rows, pa.schema(fields), json_columns)
+
+    def record_batches(self, columns: list[str], batch_rows: int) -> Iterator[list[dict]]:
+        yield from self._parsed(batch_rows)
+
+    def _parsed(self, batch_rows: int) -> Iterator[list[dict]]:
+        """Every non-blank line as a dict (`{LINE_ERROR_KEY: why}` for a bad line), in batches."""
+        records: list[dict] = []
+        with open(self.path, "rb") as file:
+            for line_number, raw in enumerate(file, start=1):
+                if raw.strip():
+                    records.append(_parse_line(raw, line_number))
+                    if len(records) == batch_rows:
+                        yield records
+                        records = []
+        if records:
+            yield records
+
+
+def open_source(spec: Any) -> InputSource:
+    """Open the input named by `spec` (path, format, dataset, split, carry_columns) for streaming."""
     if spec.format == "hf_hub":
-        return _read_hub(spec.dataset or spec.path, spec.split)
+        return DatasetSource(_load_hub(spec.dataset or spec.path, spec.split))
     path = Path(spec.path)
     if not path.exists():
         raise ValueError(f"input {str(path)!r} does not exist")
     fmt = detect_format(path) if spec.format in (None, "auto") else spec.format
     if fmt == "parquet":
-        return _read_parquet(path)
+        return ParquetSource(sorted(path.glob("*.parquet")) if path.is_dir() else [path])
     if fmt == "jsonl":
-        return read_jsonl(path)
+        return JsonlSource(path, list(spec.carry_columns))
     if fmt == "hf_disk":
-        return _read_hf_disk(path, spec.split)
+        return DatasetSource(_load_from_disk(path, spec.split))
     raise ValueError(f"unknown input format {fmt!r}; expected auto, parquet, jsonl, hf_disk or hf_hub")
 
 
-def _read_parquet(path: Path) -> pa.Table:
-    try:
-        return pq.read_table(path)
-    except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"cannot read {str(path)!r} as Parquet: {error}") from error
-
-
-def _read_hf_disk(path: Path, split: str) -> pa.Table:
+def _load_from_disk(path: Path, split: str) -> Any:
     import datasets
 
     try:
@@ -101,108 +182,78 @@ def _read_hf_disk(path: Path, split: str) -> pa.Table:
         if split not in loaded:
             raise ValueError(f"split {split!r} is not in {str(path)!r}; available splits: {', '.join(loaded)}")
         loaded = loaded[split]
-    return loaded.with_format("arrow")[:]
+    return loaded
 
 
-def _read_hub(name: str, split: str) -> pa.Table:
+def _load_hub(name: str, split: str) -> Any:
     import datasets
 
     try:
-        loaded = datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, split=split)
     except Exception as error:
         raise ValueError(
             f"cannot load dataset {name!r} (split {split!r}) from the Hugging Face hub: {error}"
         ) from error
-    return loaded.with_format("arrow")[:]
 
 
-def read_jsonl(path: str | Path) -> pa.Table:
-    """One row per non-blank line; columns are the union of the objects' keys."""
-    records: list[dict] = []
-    line_errors: list[str | None] = []
-    with open(path, "rb") as file:
-        for line_number, raw in enumerate(file, start=1):
-            if not raw.strip():
-                continue
-            record, error = _parse_line(raw, line_number)
-            records.append(record)
-            line_errors.append(error)
-    names = list(dict.fromkeys(name for record in records for name in record))
-    columns, json_columns = {}, []
-    for name in names:
-        columns[name], is_json = _column_array([record.get(name) for record in records])
-        if is_json:
-            json_columns.append(name)
-    columns[LINE_ERROR_COLUMN] = pa.array(line_errors, pa.string())
-    table = pa.table(columns)
-    return table.replace_schema_metadata({JSON_COLUMNS_KEY: json.dumps(json_columns).encode()})
-
-
-def _parse_line(raw: bytes, line_number: int) -> tuple[dict, str | None]:
+def _parse_line(raw: bytes, line_number: int) -> dict:
     try:
         value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as error:
-        return {}, f"line {line_number}: invalid UTF-8: {error}"
+        return {LINE_ERROR_KEY: f"line {line_number}: invalid UTF-8: {error}"}
     except json.JSONDecodeError as error:
-        return {}, f"line {line_number}: invalid JSON: {error}"
+        return {LINE_ERROR_KEY: f"line {line_number}: invalid JSON: {error}"}
     if not isinstance(value, dict):
-        return {}, f"line {line_number}: expected a JSON object, got {type(value).__name__}"
-    return value, None
+        return {LINE_ERROR_KEY: f"line {line_number}: expected a JSON object, got {type(value).__name__}"}
+    return value
 
 
-def _column_array(values: list) -> tuple[pa.Array, bool]:
-    """(array, is_json): Arrow's inferred type when it fits every value, else JSON text."""
+def _unified_field(known: pa.Field | None, name: str, values: list) -> tuple[pa.Field | None, bool]:
+    """(the field holding `known`'s values and `values`, is_json): is_json when no one Arrow type holds them."""
     try:
-        return pa.array(values), False
+        inferred = pa.field(name, pa.array(values).type)
+        if known is None:
+            return inferred, False
+        return pa.unify_schemas([pa.schema([known]), pa.schema([inferred])], promote_options="permissive").field(name), False
     except (pa.ArrowException, OverflowError, TypeError, ValueError):
-        return pa.array([None if value is None else json.dumps(value) for value in values], pa.string()), True
+        return None, True
 
 
-def input_columns(table: pa.Table) -> list[str]:
-    """The table's user-visible column names."""
-    return [name for name in table.column_names if name != LINE_ERROR_COLUMN]
-
-
-def carried_fields(table: pa.Table, spec: Any) -> list[pa.Field]:
-    """The Arrow fields of the carried columns, in spec order, for `output_schema`."""
-    return [table.schema.field(name) for name in spec.carry_columns]
-
-
-def iter_rows(
-    table: pa.Table, spec: Any, limit: int | None = None, overrides: dict[str, str] | None = None
-) -> Iterator[InputRow]:
-    """Yield the first `limit` rows (all when None) in input order, one InputRow each.
+def iter_rows(source: InputSource, spec: Any, limit: int | None = None, overrides: dict[str, str] | None = None,
+              batch_rows: int = BATCH_ROWS) -> Iterator[list[InputRow]]:
+    """The first `limit` rows (all when None) in input order, one InputRow each, `batch_rows` at a time.
 
     The columns the spec and `overrides` name are assumed present (the pipeline checks them).
     """
-    if limit is not None:
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
-        table = table.slice(0, limit)
-    metadata = table.schema.metadata or {}
-    json_columns = set(json.loads(metadata.get(JSON_COLUMNS_KEY, b"[]")))
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    overrides = overrides or {}
+    columns = _used_columns(spec, overrides)
     index = 0
-    for batch in table.to_batches():
-        for record in batch.to_pylist():
-            yield _make_row(index, record, spec, overrides or {}, json_columns)
-            index += 1
+    for records in source.record_batches(columns, batch_rows):
+        if limit is not None:
+            records = records[: limit - index]
+        if not records:
+            return
+        yield [_make_row(index + offset, record, spec, overrides, source.json_columns, columns)
+               for offset, record in enumerate(records)]
+        index += len(records)
 
 
-def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], json_columns: set[str]) -> InputRow:
-    line_error = record.pop(LINE_ERROR_COLUMN, None)
-    values = {name: _decode(value) if name in json_columns else value for name, value in record.items()}
-    row_id = _writable(_row_id(index, values, spec.id_column))
+def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], json_columns: set[str],
+              used_columns: list[str]) -> InputRow:
+    row_id = _writable(_row_id(index, record, spec.id_column))
     carried = {name: _writable(_carried_value(record.get(name), name in json_columns)) for name in spec.carry_columns}
-    if line_error is not None:
-        return InputRow(index, row_id, None, f"row {index}: {line_error}", carried, {})
+    if LINE_ERROR_KEY in record:
+        return InputRow(index, row_id, None, f"row {index}: {record[LINE_ERROR_KEY]}", carried, {})
     try:
-        _check_unicode(values, _used_columns(spec, overrides))
-        prompt = prompt_from_cell(values.get(spec.prompt_column), spec.prompt_column)
+        _check_unicode(record, used_columns)
+        prompt = prompt_from_cell(record.get(spec.prompt_column), spec.prompt_column)
         if isinstance(prompt, str) and spec.prompt_template:
-            prompt = apply_template(spec.prompt_template, prompt, values)
+            prompt = apply_template(spec.prompt_template, prompt, record)
         prompt = shape_prompt(prompt, spec)
-        row_overrides = read_overrides(values, overrides)
-        continuations = _continuations(values, spec)
+        row_overrides = read_overrides(record, overrides)
+        continuations = _continuations(record, spec)
     except BadRowError as error:
         return InputRow(index, row_id, None, f"row {index}: {error}", carried, {})
     return InputRow(index, row_id, prompt, None, carried, row_overrides, continuations)
@@ -225,17 +276,12 @@ def _continuations(values: dict, spec: Any) -> list[str] | None:
     return cells
 
 
-def _decode(value: Any) -> Any:
-    return None if value is None else json.loads(value)
-
-
 def _carried_value(value: Any, is_json: bool) -> Any:
-    """A carried cell as it went in: a JSON-text column (mixed types) gives text back unquoted,
-    and other values as their JSON text."""
-    if not is_json or value is None:
+    """A carried cell as it went in; in a JSON-text column (mixed types) text stays text and
+    other values become their JSON text."""
+    if not is_json or value is None or isinstance(value, str):
         return value
-    decoded = json.loads(value)
-    return decoded if isinstance(decoded, str) else value
+    return json.dumps(value)
 
 
 def _used_columns(spec: Any, overrides: dict[str, str]) -> list[str]:

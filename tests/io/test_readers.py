@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.io.readers import carried_fields, detect_format, iter_rows, open_table
+from batchgen.io import readers
+from batchgen.io.readers import DatasetSource, detect_format, iter_rows, open_source
 
 ROWS = [
     {"qid": "a", "prompt": "What is 2+2?", "topic": "math", "temp": 0.5},
@@ -42,8 +43,15 @@ def write_jsonl(path, lines: list) -> None:
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
 
 
+def read(spec, source=None, **options) -> list:
+    """Every row of the input, the batches joined."""
+    return [row for batch in iter_rows(source or open_source(spec), spec, **options) for row in batch]
+
+
 def rows_of(records: list[dict], overrides: dict | None = None, **changes) -> list:
-    return list(iter_rows(pa.Table.from_pylist(records), make_spec(**changes), overrides=overrides))
+    """Rows of in-memory records, read as an Arrow-backed dataset (nested values get Arrow's nulls)."""
+    source = DatasetSource(datasets.Dataset(pa.Table.from_pylist(records)))
+    return read(make_spec(**changes), source, overrides=overrides)
 
 
 @pytest.fixture
@@ -78,8 +86,7 @@ def test_detect_format_unknown_suffix_names_the_fix(tmp_path):
 @pytest.mark.parametrize("name", ["parquet", "jsonl", "hf_disk", "hf_dict"])
 def test_every_format_reads_the_same_rows(inputs, name):
     spec = make_spec(inputs[name], id_column="qid", carry_columns=["topic"])
-    table = open_table(spec)
-    rows = list(iter_rows(table, spec, overrides={"temperature": "temp"}))
+    rows = read(spec, overrides={"temperature": "temp"})
     assert [row.index for row in rows] == [0, 1, 2]
     assert [row.id for row in rows] == ["a", "b", "c"]
     assert [row.prompt for row in rows] == [r["prompt"] for r in ROWS]
@@ -89,18 +96,17 @@ def test_every_format_reads_the_same_rows(inputs, name):
 
 
 def test_dataset_dict_split_is_picked_and_unknown_split_lists_splits(inputs):
-    table = open_table(make_spec(inputs["hf_dict"], split="test"))
-    assert table.num_rows == 1
+    assert open_source(make_spec(inputs["hf_dict"], split="test")).num_rows == 1
     with pytest.raises(ValueError, match="available splits: train, test"):
-        open_table(make_spec(inputs["hf_dict"], split="validation"))
+        open_source(make_spec(inputs["hf_dict"], split="validation"))
 
 
 def test_explicit_format_and_missing_input(inputs, tmp_path):
     copy = tmp_path / "rows.txt"
     copy.write_bytes(inputs["jsonl"].read_bytes())
-    assert open_table(make_spec(copy, format="jsonl")).num_rows == 3
+    assert open_source(make_spec(copy, format="jsonl")).num_rows == 3
     with pytest.raises(ValueError, match="does not exist"):
-        open_table(make_spec(tmp_path / "nope.parquet"))
+        open_source(make_spec(tmp_path / "nope.parquet"))
 
 
 def test_hub_loads_the_split_and_fails_cleanly(monkeypatch):
@@ -113,10 +119,10 @@ def test_hub_loads_the_split_and_fails_cleanly(monkeypatch):
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    table = open_table(make_spec(format="hf_hub", dataset="org/set", split="test"))
-    assert table.column("prompt").to_pylist() == [r["prompt"] for r in ROWS]
+    spec = make_spec(format="hf_hub", dataset="org/set", split="test")
+    assert [row.prompt for row in read(spec)] == [r["prompt"] for r in ROWS]
     with pytest.raises(ValueError, match="cannot load dataset 'offline/set' .* hub unreachable"):
-        open_table(make_spec(format="hf_hub", dataset="offline/set"))
+        open_source(make_spec(format="hf_hub", dataset="offline/set"))
     assert calls == [("org/set", "test"), ("offline/set", "train")]
 
 
@@ -127,9 +133,10 @@ def test_id_defaults_to_row_number_and_null_id_falls_back():
 
 
 def test_carried_fields_keep_input_types():
-    table = pa.Table.from_pylist([{"prompt": "x", "score": 1.5, "tags": ["a"]}])
-    fields = carried_fields(table, make_spec(carry_columns=["tags", "score"]))
-    assert [(f.name, f.type) for f in fields] == [("tags", pa.list_(pa.string())), ("score", pa.float64())]
+    records = [{"prompt": "x", "score": 1.5, "tags": ["a"]}]
+    source = DatasetSource(datasets.Dataset(pa.Table.from_pylist(records)))
+    assert [(f.name, f.type) for f in source.fields(["tags", "score"])] == [("tags", pa.list_(pa.string())),
+                                                                            ("score", pa.float64())]
 
 
 @pytest.mark.parametrize(
@@ -152,7 +159,7 @@ def test_bad_prompt_gives_error_row(tmp_path, value, message):
     path = tmp_path / "bad.jsonl"
     write_jsonl(path, [{"prompt": value, "topic": "t"}])
     spec = make_spec(path, apply_chat_template=True, carry_columns=["topic"])
-    [row] = iter_rows(open_table(spec), spec)
+    [row] = read(spec)
     assert row.prompt is None
     assert row.error.startswith(message), row.error
     assert row.carried == {"topic": "t"}
@@ -162,7 +169,7 @@ def test_bad_rows_do_not_disturb_good_rows_of_mixed_types(tmp_path):
     path = tmp_path / "mixed.jsonl"
     write_jsonl(path, [{"prompt": "ok"}, {"prompt": 5}, {"prompt": [{"role": "user", "content": "hey"}]}, {}])
     spec = make_spec(path, apply_chat_template=True)
-    rows = list(iter_rows(open_table(spec), spec))
+    rows = read(spec)
     assert rows[0].prompt == [{"role": "user", "content": "ok"}]
     assert rows[1].error.startswith("row 1: column 'prompt' has type int")
     assert rows[2].prompt == [{"role": "user", "content": "hey"}]
@@ -173,7 +180,7 @@ def test_malformed_jsonl_lines_become_bad_rows(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_bytes(b'{"prompt": "one"}\n\n{"prompt": "tw\n[1, 2]\n\xff\xfe\n{"prompt": "three"}\n')
     spec = make_spec(path)
-    rows = list(iter_rows(open_table(spec), spec))
+    rows = read(spec)
     assert [row.prompt for row in rows] == ["one", None, None, None, "three"]
     assert rows[1].error.startswith("row 1: line 3: invalid JSON: ")
     assert rows[2].error == "row 2: line 4: expected a JSON object, got list"
@@ -244,7 +251,7 @@ def test_mixed_type_override_column_in_jsonl(tmp_path):
     path = tmp_path / "o.jsonl"
     write_jsonl(path, [{"prompt": "a", "t": 0.2}, {"prompt": "b", "t": "hot"}, {"prompt": "c", "t": 1}])
     spec = make_spec(path, carry_columns=["t"])
-    rows = list(iter_rows(open_table(spec), spec, overrides={"temperature": "t"}))
+    rows = read(spec, overrides={"temperature": "t"})
     assert rows[0].overrides == {"temperature": 0.2}
     assert rows[1].error.startswith("row 1: column 't' (override for temperature) has str value 'hot'")
     assert rows[2].overrides == {"temperature": 1.0}
@@ -253,8 +260,46 @@ def test_mixed_type_override_column_in_jsonl(tmp_path):
 
 def test_limit_takes_the_first_rows(inputs):
     spec = make_spec(inputs["parquet"])
-    table = open_table(spec)
-    assert [row.prompt for row in iter_rows(table, spec, limit=2)] == [r["prompt"] for r in ROWS[:2]]
-    assert list(iter_rows(table, spec, limit=0)) == []
+    assert [row.prompt for row in read(spec, limit=2)] == [r["prompt"] for r in ROWS[:2]]
+    assert read(spec, limit=0) == []
     with pytest.raises(ValueError, match="limit must be >= 0"):
-        list(iter_rows(table, spec, limit=-1))
+        read(spec, limit=-1)
+
+
+@pytest.mark.parametrize("name", ["parquet", "jsonl", "hf_disk"])
+def test_readers_yield_batches_of_an_input_larger_than_one_batch(tmp_path, name, monkeypatch):
+    records = [{"qid": f"q{i}", "prompt": f"question {i}", "topic": "t" if i % 2 else 7} for i in range(23)]
+    paths = {"parquet": tmp_path / "big.parquet", "jsonl": tmp_path / "big.jsonl", "hf_disk": tmp_path / "ds"}
+    if name == "parquet":
+        pq.write_table(pa.Table.from_pylist([{**r, "topic": str(r["topic"])} for r in records]), paths[name],
+                       row_group_size=10)
+    elif name == "jsonl":
+        write_jsonl(paths[name], records)
+    else:
+        datasets.Dataset.from_list([{**r, "topic": str(r["topic"])} for r in records]).save_to_disk(str(paths[name]))
+    if name == "parquet":  # the whole-table readers are never called
+        monkeypatch.setattr(pq, "read_table", None)
+    spec = make_spec(paths[name], id_column="qid", carry_columns=["topic"])
+    source = open_source(spec)
+    assert source.num_rows == 23
+    batches = list(iter_rows(source, spec, batch_rows=4))
+    assert [len(batch) for batch in batches] == [4, 4, 4, 4, 4, 3]
+    rows = [row for batch in batches for row in batch]
+    assert [row.index for row in rows] == list(range(23))
+    assert [row.id for row in rows] == [r["qid"] for r in records]
+    assert [row.prompt for row in rows] == [r["prompt"] for r in records]
+
+
+def test_jsonl_carried_column_of_mixed_types_across_batches_is_json_text(tmp_path, monkeypatch):
+    monkeypatch.setattr(readers, "BATCH_ROWS", 1)  # the scan sees one row at a time
+    path = tmp_path / "mixed.jsonl"
+    write_jsonl(path, [{"prompt": "a", "x": 1}, {"prompt": "b", "x": 2.5}, {"prompt": "c", "x": "text"},
+                       {"prompt": "d", "x": [1]}])
+    spec = make_spec(path, carry_columns=["x"])
+    source = open_source(spec)
+    assert source.fields(["x"]) == [pa.field("x", pa.string())]
+    assert [row.carried["x"] for batch in iter_rows(source, spec, batch_rows=1) for row in batch] == \
+        ["1", "2.5", "text", "[1]"]
+    write_jsonl(path, [{"prompt": "a", "x": 1}, {"prompt": "b", "x": None}, {"prompt": "c", "x": 2.5}])
+    source = open_source(spec)  # int then float across batches: one float column
+    assert source.fields(["x"]) == [pa.field("x", pa.float64())]
