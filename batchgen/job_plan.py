@@ -32,17 +32,19 @@ ErrorSink = Callable[[InputRow, int], None]  # (the row with `error` set, its nu
 
 @dataclass
 class JobPlan:
-    store: RowStore
+    store: RowStore  # one `_stored` record per planned row
     tree: RadixTree
     order: np.ndarray  # store positions in run order
     stats: PlanStats
-    job_params: SamplingParams  # stored requests with params None have these
+    job_params: SamplingParams  # stored records with params None have these
 
     def record(self, position: int) -> tuple[InputRow, PlannedRequest]:
-        row, request = self.store.get(position)
-        if request.params is None:
-            request.params = self.job_params
-        return row, request
+        """The planned row at `position`: what its output needs of the input row (index, id,
+        carried columns) and its request (the prompt's text is not kept: outputs do not hold it)."""
+        index, row_id, carried, token_ids, block_hashes, params, arrival_time, logprob_start = self.store.get(position)
+        request = PlannedRequest(index, None, token_ids, block_hashes, params or self.job_params, arrival_time,
+                                 logprob_start)
+        return InputRow(index, row_id, None, None, carried, {}), request
 
     def in_order(self) -> Iterator[tuple[InputRow, PlannedRequest]]:
         """Every planned row with its request, in run order, read back one at a time."""
@@ -84,6 +86,13 @@ def split_rows(job_params: SamplingParams, rows: list[InputRow]
     return good, bad
 
 
+def _stored(row: InputRow, request: PlannedRequest, job_params: SamplingParams) -> tuple:
+    """The record `JobPlan.record` reads back; params None when they are the job's."""
+    params = None if request.params is job_params else request.params
+    return (row.index, row.id, row.carried, request.token_ids, request.block_hashes, params, request.arrival_time,
+            request.logprob_start)
+
+
 def plan_job_rows(batches: Iterable[list[InputRow]], tokenizer, limits: PlanLimits, job_params: SamplingParams,
                   store: RowStore, on_error: ErrorSink) -> JobPlan:
     """Plan every row of `batches` (see the module docstring)."""
@@ -98,7 +107,6 @@ def plan_job_rows(batches: Iterable[list[InputRow]], tokenizer, limits: PlanLimi
             row = by_index[error.request_id]
             on_error(dataclasses.replace(row, prompt=None, error=row_error(row.index, error.message)), error.n)
         for request in planned:
-            stored = request if request.params is not job_params else dataclasses.replace(request, params=None)
-            position = store.append((by_index[request.request_id], stored))
+            position = store.append(_stored(by_index[request.request_id], request, job_params))
             tree.insert(position, request.token_ids, request.block_hashes, request.max_reused_tokens)
     return JobPlan(store, tree, tree.order_indices(), tree.stats(), job_params)

@@ -44,7 +44,7 @@ from batchgen.io.output_table import arrow_type_of_schema, output_rows, output_s
 from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
 from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter, version_metadata
-from batchgen.job_plan import JobPlan, plan_job_rows, row_error, split_rows
+from batchgen.job_plan import JobPlan, plan_job_rows, split_rows
 from batchgen.llm import LLM
 from batchgen.outputs import FinishReason, RequestOutput
 from batchgen.plan import PlanLimits, build_score_plan
@@ -56,6 +56,7 @@ MAX_ORDER_IDS = 10
 MAX_BAD_ROW_ERRORS = 5
 MAX_GROUP_IDS = 5
 SCORE_CHUNK_ROWS = 16384  # rows of a score job scored as one plan
+WAITING_ROWS_PER_SEQ = 4  # rows admitted ahead of the scheduler, per sequence slot (max_num_seqs)
 TOKEN_COUNTERS = ("num_prompt_tokens", "num_computed_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens")
 
 
@@ -294,7 +295,8 @@ def generate(config: JobConfig, writer: ShardWriter, batches: Iterable[list[Inpu
                 running[row.index] = row
                 yield request
 
-        for output in llm.run_requests(requests(), len(plan.order), use_tqdm):
+        watermark = WAITING_ROWS_PER_SEQ * config.engine.max_num_seqs
+        for output in llm.run_requests(requests(), len(plan.order), use_tqdm, watermark):
             _write(writer, layout, running.pop(output.request_id), output, counts)
     return llm.stats
 

@@ -156,6 +156,6 @@ def _check_prompt_tokens(token_ids: list[int], max_prompt_len: int, vocab_size: 
     """Raise ValueError when the encoded prompt is too long or holds an id outside the vocabulary."""
     if len(token_ids) > max_prompt_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {max_prompt_len}")
-    bad = next((token for token in token_ids if not 0 <= token < vocab_size), None)
-    if bad is not None:
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = next(token for token in token_ids if not 0 <= token < vocab_size)
         raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")

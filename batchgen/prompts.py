@@ -59,7 +59,7 @@ def encode_batch(tokenizer: Any, prompts: list) -> list[list[int] | None]:
     if not getattr(tokenizer, "is_fast", False):
         return encoded
     texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str) and p]
-    chats = [(i, messages) for i, messages in enumerate(map(_checked_chat, prompts)) if messages is not None]
+    chats = [(i, messages) for i, p in enumerate(prompts) if isinstance(p, list) and (messages := _checked_chat(p))]
     for positions, token_ids in (_encode_texts(tokenizer, texts), _encode_chats(tokenizer, chats)):
         for position, ids in zip(positions, token_ids):
             encoded[position] = ids

@@ -103,6 +103,7 @@ def test_run_exit_code_counts_failed_rows_and_options_override_the_file(tmp_path
 
 
 def test_killed_run_resumes_with_every_row_exactly_once(tmp_path, model_dir):
+    """A streamed run (the watermark, 4 rows per sequence slot, admits 16 of the 40 rows at a time)."""
     records = [{"prompt": words(100 + i, 200 + i, 300 + i)} for i in range(40)]
     write_jsonl(tmp_path / "in.jsonl", records)
     job = write_job(tmp_path, model_dir, {"path": "in.jsonl", "apply_chat_template": False},
@@ -123,6 +124,7 @@ def test_killed_run_resumes_with_every_row_exactly_once(tmp_path, model_dir):
     num_committed = json.loads((shard_dir / MANIFEST_NAME).read_text())["num_rows"]
     result = invoke("run", job, "--no-progress")
     assert result.exit_code == 0 and f"({num_committed} input rows already done)" in result.output
+    assert f"rows         {40 - num_committed} ok, 0 failed" in result.output  # no committed row recomputed
     assert all((shard_dir / name).read_bytes() == data for name, data in committed.items())
     rows = pq.read_table(tmp_path / "out" / "answers.parquet").to_pylist()
     assert [row["row_index"] for row in rows] == list(range(40))

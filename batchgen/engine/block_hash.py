@@ -15,7 +15,8 @@ Invariants:
   prompt's sequence, whose block manager extends it as generated tokens fill blocks.
 """
 
-import struct
+import sys
+from array import array
 from typing import NewType
 
 import xxhash
@@ -28,8 +29,19 @@ HASH_SEED = 0
 
 def hash_block(parent_hash: BlockHash, token_ids: list[int]) -> BlockHash:
     """Hash one full block given the hash of the block before it."""
-    data = struct.pack(f"<Q{len(token_ids)}i", parent_hash, *token_ids)
-    return BlockHash(xxhash.xxh64_intdigest(data, seed=HASH_SEED))
+    return _hash_bytes(parent_hash, _int32_le(token_ids))
+
+
+def _int32_le(token_ids: list[int]) -> bytes:
+    ids = array("i", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def _hash_bytes(parent_hash: int, block: bytes) -> BlockHash:
+    """The hash of a block whose token ids are `block` (int32 little-endian)."""
+    return BlockHash(xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + block, seed=HASH_SEED))
 
 
 def hash_blocks(token_ids: list[int], block_size: int) -> list[BlockHash]:
@@ -41,7 +53,13 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_siz
                         num_blocks: int) -> list[BlockHash]:
     """Extend ``hashes``, the chain of the first blocks of ``token_ids``, in place until it holds at
     least ``num_blocks`` hashes (each of those blocks must be full); returns it."""
-    while len(hashes) < num_blocks:
-        start = len(hashes) * block_size
-        hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, token_ids[start : start + block_size]))
+    if len(hashes) >= num_blocks:
+        return hashes
+    first = len(hashes)
+    data = _int32_le(token_ids[first * block_size : num_blocks * block_size])
+    parent = hashes[-1] if hashes else ROOT_HASH
+    width = 4 * block_size
+    for start in range(0, len(data), width):
+        parent = _hash_bytes(parent, data[start : start + width])
+        hashes.append(parent)
     return hashes

@@ -4,7 +4,6 @@ give batchgen's model the same accuracy as lm-eval's own `hf` model on the same 
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
