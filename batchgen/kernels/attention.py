@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "batchgen"
 PROFILER_LABEL = "batchgen::attention"  # the span of one layer's attention (KV write included) in a torch profile
+MAX_BATCHED_PREFILL_LEN = 64  # prefill chunks of at most this many tokens attend in one padded call
 
 
 @dataclass
@@ -49,6 +51,39 @@ class AttentionMetadata:
     num_decode_seqs: int
     block_size: int
     decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefix_groups
+
+    @cached_property
+    def short_prefill(self) -> PrefillBatch | None:
+        """The step's short prefill chunks as one padded batch (None for fewer than two); built
+        at the first layer's call, shared by every layer."""
+        seqs = [s for s in range(self.num_decode_seqs, len(self.query_lens))
+                if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN]
+        if len(seqs) < 2:
+            return None
+        device = self.block_tables.device
+        query_lens = torch.tensor([self.query_lens[s] for s in seqs])
+        context_lens = torch.tensor([self.context_lens_list[s] for s in seqs])
+        query_index = torch.arange(int(query_lens.max()))
+        is_real = query_index[None] < query_lens[:, None]
+        starts = torch.tensor([self.query_start_loc[s] for s in seqs])
+        rows = starts[:, None] + torch.minimum(query_index[None], query_lens[:, None] - 1)
+        positions = torch.arange(int(context_lens.max()))
+        tables = self.block_tables[seqs].cpu()
+        slots = tables[:, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        query_pos = (context_lens - query_lens)[:, None] + query_index[None]  # [P, Qm]
+        mask = (positions[None, None] <= query_pos[:, :, None]) & (positions[None, None] < context_lens[:, None, None])
+        return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device))
+
+
+@dataclass
+class PrefillBatch:
+    """Short prefill chunks padded into one batch: P sequences, at most Qm queries and Cm keys each."""
+
+    seqs: list[int]  # the sequences, as numbered in the step
+    rows: torch.Tensor  # [P, Qm] packed-token row of each query (padding repeats the last one)
+    is_real: torch.Tensor  # [P, Qm] bool: the query is not padding
+    slots: torch.Tensor  # [P, Cm] cache slot of each context position (padding: some slot, masked)
+    mask: torch.Tensor  # [P, 1, Qm, Cm] bool: the key is in the context and at or before the query
 
 
 @dataclass
@@ -215,7 +250,13 @@ class NativeBackend(AttentionBackend):
                                            meta.context_lens[:num_decode], scale, **extra)
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        batch = meta.short_prefill
+        if batch is not None:
+            attend_prefill_batch(q, flat_k, flat_v, batch, scale, out)
+        batched = set(batch.seqs) if batch is not None else set()
         for s in range(num_decode, len(meta.query_lens)):
+            if s in batched:
+                continue
             start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
             num_context = meta.context_lens_list[s]
             if num_context == end - start:
@@ -225,6 +266,17 @@ class NativeBackend(AttentionBackend):
                 keys, values = flat_k[slots], flat_v[slots]
             out[start:end] = prefill_sdpa(q[start:end], keys, values, scale)
         return out
+
+
+def attend_prefill_batch(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, batch: PrefillBatch,
+                         scale: float, out: torch.Tensor) -> None:
+    """Causal attention of every chunk of `batch` over its cached context, in one SDPA call, into `out`."""
+    keys = flat_k[batch.slots].to(q.dtype).transpose(1, 2)  # [P, Hkv, Cm, D]
+    values = flat_v[batch.slots].to(q.dtype).transpose(1, 2)
+    queries = q[batch.rows].transpose(1, 2)  # [P, H, Qm, D]
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=scale,
+                                              enable_gqa=True).transpose(1, 2)  # [P, Qm, H, D]
+    out[batch.rows[batch.is_real]] = attended[batch.is_real]
 
 
 def prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
