@@ -1,7 +1,8 @@
 """The job's plan pass: every input row read once, in batches, and planned in bounded memory.
 
 Each batch of rows is turned into requests (the job's sampling with the row's overrides),
-encoded in batched tokenizer calls and checked (`plan.plan_requests`). A row that cannot run
+encoded in batched tokenizer calls (a batch ahead, in a background thread) and checked
+(`plan.plan_requests`). A row that cannot run
 is handed to `on_error` at once; a planned row goes to the `RowStore` (its input row and
 request, on disk) and into the `RadixTree` (its token count and block-hash chain, in memory),
 keyed by its store position. The tree's order over the whole input then runs rows that share
@@ -25,6 +26,8 @@ from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.io.readers import InputRow
 from batchgen.io.row_store import RowStore
 from batchgen.plan import PlanLimits, PlannedRequest, plan_requests
+from batchgen.prefetch import prefetched
+from batchgen.prompts import encode_batch
 from batchgen.sampling_params import SamplingParams
 
 ErrorSink = Callable[[InputRow, int], None]  # (the row with `error` set, its number of samples)
@@ -95,14 +98,15 @@ def _stored(row: InputRow, request: PlannedRequest, job_params: SamplingParams) 
 
 def plan_job_rows(batches: Iterable[list[InputRow]], tokenizer, limits: PlanLimits, job_params: SamplingParams,
                   store: RowStore, on_error: ErrorSink) -> JobPlan:
-    """Plan every row of `batches` (see the module docstring)."""
+    """Plan every row of `batches` (see the module docstring); the next batch is read and
+    encoded in a background thread while this one is checked and stored."""
     tree = RadixTree(limits.block_size)
-    for rows in batches:
-        good, bad = split_rows(job_params, rows)
+    for good, bad, encoded in prefetched(_encoded(batches, tokenizer, job_params)):
         for row in bad:
             on_error(row, job_params.n)
         by_index = {row.index: row for row, _ in good}
-        planned, errors = plan_requests(tokenizer, [(row.index, row.prompt, params) for row, params in good], limits)
+        requests = [(row.index, row.prompt, params) for row, params in good]
+        planned, errors = plan_requests(tokenizer, requests, limits, encoded=encoded)
         for error in errors:
             row = by_index[error.request_id]
             on_error(dataclasses.replace(row, prompt=None, error=row_error(row.index, error.message)), error.n)
@@ -110,3 +114,10 @@ def plan_job_rows(batches: Iterable[list[InputRow]], tokenizer, limits: PlanLimi
             position = store.append(_stored(by_index[request.request_id], request, job_params))
             tree.insert(position, request.token_ids, request.block_hashes, request.max_reused_tokens)
     return JobPlan(store, tree, tree.order_indices(), tree.stats(), job_params)
+
+
+def _encoded(batches: Iterable[list[InputRow]], tokenizer, job_params: SamplingParams) -> Iterator[tuple]:
+    """Per batch: (rows for the engine with their sampling, bad rows, the good rows' `encode_batch`)."""
+    for rows in batches:
+        good, bad = split_rows(job_params, rows)
+        yield good, bad, encode_batch(tokenizer, [row.prompt for row, _ in good])

@@ -22,7 +22,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import resource
@@ -57,6 +59,7 @@ MAX_BAD_ROW_ERRORS = 5
 MAX_GROUP_IDS = 5
 SCORE_CHUNK_ROWS = 16384  # rows of a score job scored as one plan
 WAITING_ROWS_PER_SEQ = 4  # rows admitted ahead of the scheduler, per sequence slot (max_num_seqs)
+JOB_GC_THRESHOLD = 50_000  # allocations between young-generation collections during a job (Python's default: 700)
 TOKEN_COUNTERS = ("num_prompt_tokens", "num_computed_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens")
 
 
@@ -278,6 +281,29 @@ def generate(config: JobConfig, writer: ShardWriter, batches: Iterable[list[Inpu
     they finish); returns the engine's counters."""
     layout = (has_sample_index(config), json_output_type(config))
     llm = load_llm(config)
+    with paced_collection():
+        return _generate(config, llm, writer, batches, counts, use_tqdm, layout)
+
+
+@contextlib.contextmanager
+def paced_collection() -> Iterator[None]:
+    """Run a job with Python's cyclic garbage collector off the long-lived objects (the model,
+    tokenizer and everything loaded so far are frozen: never scanned again) and collecting the
+    young generation less often; a job allocates millions of short-lived objects, few in cycles,
+    and the default collects every 700 allocations (measured: 16% of a tiny model's job)."""
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(JOB_GC_THRESHOLD, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+
+
+def _generate(config: JobConfig, llm: LLM, writer: ShardWriter, batches: Iterable[list[InputRow]], counts: Counter,
+              use_tqdm: bool, layout: tuple[bool, pa.DataType | None]) -> EngineStats:
+    """`generate` with the model loaded: plan every row, then run them in plan order."""
     if config.task == "score":
         score_rows_in_chunks(config, llm, writer, batches, counts, use_tqdm)
         return llm.stats

@@ -89,16 +89,17 @@ class PlanLimits:
 
 
 def plan_requests(tokenizer: Any, requests: list[tuple[int, Any, SamplingParams]], limits: PlanLimits,
-                  scores: dict[int, tuple[int, list[int]]] | None = None
-                  ) -> tuple[list[PlannedRequest], list[PromptError]]:
+                  scores: dict[int, tuple[int, list[int]]] | None = None,
+                  encoded: list[list[int] | None] | None = None) -> tuple[list[PlannedRequest], list[PromptError]]:
     """Encode (in batches) and check `(request_id, prompt, params)` triples, in their order:
     each becomes a planned request or a prompt error. `scores` maps the ids of scoring requests
     (nothing generated) to (position of the first scored token, the scored tokens: the prompt
-    and one more)."""
+    and one more); `encoded`: the prompts' `encode_batch` when the caller has it already."""
     scores = scores or {}
     arrival_time = time.time()
     planned, errors = [], []
-    encoded = encode_batch(tokenizer, [prompt for _, prompt, _ in requests])
+    if encoded is None:
+        encoded = encode_batch(tokenizer, [prompt for _, prompt, _ in requests])
     for (request_id, prompt, params), token_ids in zip(requests, encoded):
         text = prompt if isinstance(prompt, str) else None
         try:

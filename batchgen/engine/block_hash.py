@@ -27,11 +27,6 @@ ROOT_HASH = BlockHash(0x626174636867656E)  # b"batchgen"
 HASH_SEED = 0
 
 
-def hash_block(parent_hash: BlockHash, token_ids: list[int]) -> BlockHash:
-    """Hash one full block given the hash of the block before it."""
-    return _hash_bytes(parent_hash, _int32_le(token_ids))
-
-
 def _int32_le(token_ids: list[int]) -> bytes:
     ids = array("i", token_ids)
     if sys.byteorder != "little":

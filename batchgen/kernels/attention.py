@@ -68,8 +68,11 @@ class AttentionMetadata:
         starts = torch.tensor([self.query_start_loc[s] for s in seqs])
         rows = starts[:, None] + torch.minimum(query_index[None], query_lens[:, None] - 1)
         positions = torch.arange(int(context_lens.max()))
+        # padding reads the sequence's last context position: a written slot (the pool's unwritten
+        # slots hold anything, NaN included, and 0 * NaN would leak through the mask)
+        read = torch.minimum(positions[None], context_lens[:, None] - 1)  # [P, Cm]
         tables = self.block_tables[seqs].cpu()
-        slots = tables[:, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        slots = torch.gather(tables.long(), 1, read // self.block_size) * self.block_size + read % self.block_size
         query_pos = (context_lens - query_lens)[:, None] + query_index[None]  # [P, Qm]
         mask = (positions[None, None] <= query_pos[:, :, None]) & (positions[None, None] < context_lens[:, None, None])
         return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device))
@@ -82,7 +85,7 @@ class PrefillBatch:
     seqs: list[int]  # the sequences, as numbered in the step
     rows: torch.Tensor  # [P, Qm] packed-token row of each query (padding repeats the last one)
     is_real: torch.Tensor  # [P, Qm] bool: the query is not padding
-    slots: torch.Tensor  # [P, Cm] cache slot of each context position (padding: some slot, masked)
+    slots: torch.Tensor  # [P, Cm] cache slot of each context position (padding: the last one's, masked)
     mask: torch.Tensor  # [P, 1, Qm, Cm] bool: the key is in the context and at or before the query
 
 
@@ -298,8 +301,8 @@ def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     block_size = k_cache.shape[1]
     max_len = int(context_lens.max())
     positions = torch.arange(max_len, device=q.device)
-    blocks = block_tables[:, positions // block_size].long()
-    slots = blocks * block_size + positions % block_size  # [S, L]
+    read = torch.minimum(positions[None], context_lens[:, None].long() - 1)  # padding reads a written slot
+    slots = torch.gather(block_tables.long(), 1, read // block_size) * block_size + read % block_size  # [S, L]
     keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, Hkv, D]
     values = v_cache.view(-1, *v_cache.shape[2:])[slots]
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]

@@ -6,7 +6,7 @@ import sys
 import xxhash
 
 from batchgen.engine import block_hash
-from batchgen.engine.block_hash import ROOT_HASH, hash_block, hash_blocks
+from batchgen.engine.block_hash import ROOT_HASH, extend_block_hashes, hash_blocks
 
 
 def direct_hash(parent_hash: int, token_ids: list[int]) -> int:
@@ -14,11 +14,10 @@ def direct_hash(parent_hash: int, token_ids: list[int]) -> int:
     return xxhash.xxh64_intdigest(data, seed=0)
 
 
-def test_hash_block_is_xxh64_of_parent_and_int32_tokens():
+def test_a_block_hash_is_xxh64_of_its_parent_and_int32_tokens():
     token_ids = [0, 1, -1, 2**31 - 1, 70000, 5, 6, 7]
-    assert hash_block(ROOT_HASH, token_ids) == direct_hash(ROOT_HASH, token_ids)
-    assert hash_block(12345, token_ids) == direct_hash(12345, token_ids)
-    assert hash_block(ROOT_HASH, token_ids) != hash_block(12345, token_ids)
+    assert hash_blocks(token_ids, 8) == [direct_hash(ROOT_HASH, token_ids)]
+    assert extend_block_hashes([12345], [9] * 8 + token_ids, 8, 2) == [12345, direct_hash(12345, token_ids)]
 
 
 def test_hash_blocks_is_chained_from_root():

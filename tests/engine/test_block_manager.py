@@ -86,7 +86,7 @@ def test_block_aligned_cached_prompt_reuses_all_but_last_block():
 
 
 def test_hash_collision_is_not_a_hit(monkeypatch):
-    monkeypatch.setattr(block_hash_module, "hash_block", lambda parent_hash, token_ids: 42)
+    monkeypatch.setattr(block_hash_module, "_hash_bytes", lambda parent_hash, block: 42)
     manager = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
     first = make_seq([1, 2, 3, 4, 5])
     admit(manager, first)

@@ -24,6 +24,12 @@ def mixed_step(query_lens: list[int], context_lens: list[int], num_decode: int, 
         used += count
     k_cache = torch.randn(sum(blocks) + 2, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)
     v_cache = torch.randn(k_cache.shape, generator=generator)
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for table, num_context in zip(tables, context_lens):
+        for position in range(num_context):
+            written[table[position // BLOCK_SIZE], position % BLOCK_SIZE] = True
+    k_cache[~written] = float("nan")  # what an unwritten slot may hold: no kernel may let it leak
+    v_cache[~written] = float("nan")
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
     width = max(blocks)
     slots = [tables[s][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
