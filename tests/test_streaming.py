@@ -11,10 +11,15 @@ from batchgen import pipeline
 from batchgen.config import load_job
 from batchgen.io import readers
 from batchgen.pipeline import plan_job, run_job
-from tests.test_pipeline import model_dir, write_job, write_jsonl, words  # noqa: F401 (a fixture)
+from tests.test_pipeline import save_tiny_model, write_job, write_jsonl, words
 
 SYSTEMS = [words(*range(20 + 10 * k, 30 + 10 * k)) for k in range(3)]  # 10-word shared prefixes
 COMPARED = ("row_index", "id", "output_text", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 def records(num_rows: int = 60) -> list:
