@@ -36,7 +36,7 @@ ErrorSink = Callable[[InputRow, int], None]  # (the row with `error` set, its nu
 @dataclass
 class JobPlan:
     store: RowStore  # one `_stored` record per planned row
-    tree: RadixTree
+    tree: RadixTree | None  # None once the run has what it needs (the order)
     order: np.ndarray  # store positions in run order
     stats: PlanStats
     job_params: SamplingParams  # stored records with params None have these

@@ -44,6 +44,7 @@ from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
 from batchgen.io.output_table import arrow_type_of_schema, output_rows, output_schema, score_schema
 from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
+from batchgen.io.row_set import RowSet
 from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter, version_metadata
 from batchgen.job_plan import JobPlan, plan_job_rows, split_rows
@@ -89,7 +90,7 @@ def num_job_rows(source: InputSource, limit: int | None) -> int:
     return source.num_rows if limit is None else min(limit, source.num_rows)
 
 
-def row_batches(config: JobConfig, source: InputSource, limit: int | None, skipped: set[int],
+def row_batches(config: JobConfig, source: InputSource, limit: int | None, skipped: RowSet | None,
                 use_tqdm: bool, desc: str) -> Iterator[list[InputRow]]:
     """The job's rows in input order, in batches, without those in `skipped`; a bar counts them."""
     rows = iter_rows(source, config.input, limit, config.sampling.overrides)
@@ -128,7 +129,7 @@ def plan_job(config: JobConfig, limit: int | None = None, use_tqdm: bool = False
     text_config = model_config.get_text_config()
     limits = PlanLimits(config.engine.block_size, models.max_context_len(text_config) - 1, text_config.vocab_size)
     errors = FirstErrors()
-    batches = row_batches(config, source, limit, set(), use_tqdm, "plan")
+    batches = row_batches(config, source, limit, None, use_tqdm, "plan")
     if config.task == "score":
         return score_plan_report(config, [row for batch in batches for row in batch], tokenizer, limits, errors)
     with RowStore(tempfile.gettempdir()) as store:
@@ -252,10 +253,11 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
     num_rows = num_job_rows(source, limit)
     check_engine(config)
     with open_writer(config, schema) as writer:
-        committed = {index for index in writer.committed_indices() if index < num_rows}
+        committed = writer.committed_rows()
+        num_done = committed.count_below(num_rows)
         summary = JobSummary(job=str(config.job_path), output_path=str(config.output.path),
-                             is_nothing_to_do=len(committed) == num_rows, num_input_rows=num_rows,
-                             num_skipped_rows=len(committed), num_rows_ok=0, num_rows_failed=0, num_failed_in_output=0)
+                             is_nothing_to_do=num_done == num_rows, num_input_rows=num_rows,
+                             num_skipped_rows=num_done, num_rows_ok=0, num_rows_failed=0, num_failed_in_output=0)
         if not summary.is_nothing_to_do:
             counts = Counter(ok=0, failed=0)
             try:
@@ -314,6 +316,7 @@ def _generate(config: JobConfig, llm: LLM, writer: ShardWriter, batches: Iterabl
 
     with RowStore(Path(config.output.path).parent) as store:
         plan = plan_job_rows(batches, llm.tokenizer, llm.plan_limits(), config.sampling.params, store, write_failed)
+        plan.tree = None  # the run needs only the order: the chains are freed before the KV pool fills
         running: dict[int, InputRow] = {}  # admitted rows, until written
 
         def requests() -> Iterator:

@@ -4,7 +4,7 @@
     python scripts/bench_scale.py --sizes 10000,30000     # quicker
 
 Each input row is one of 20 shared ~150-word system texts followed by a short question, as one
-text prompt; the model is a tiny random 2-layer Llama built here with the default model's
+text prompt (encoded as text: no chat template, so the plan's encoding is the floor's); the model is a tiny random 2-layer Llama built here with the default model's
 tokenizer, and every row asks for 2 greedy output tokens, so the job measures batchgen's per-row
 work (read, encode, plan, schedule, write), not the model. Each size runs `batchgen run` (and the
 largest also `batchgen plan`) as its own process; peak RSS is sampled from the process tree every
@@ -80,7 +80,8 @@ def build_model(folder: Path) -> None:
 def write_job(path: Path, model: Path, input_path: Path, output: Path) -> None:
     path.write_text(json.dumps({
         "model": str(model),
-        "input": {"path": str(input_path), "prompt_column": "prompt", "id_column": "id"},
+        "input": {"path": str(input_path), "prompt_column": "prompt", "id_column": "id",
+                  "apply_chat_template": False},
         "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
         "engine": {"dtype": "float32", "kv_cache_memory": KV_CACHE_MEMORY},
         "output": {"path": str(output), "mode": "overwrite", "shard_size": 10000},

@@ -36,6 +36,7 @@ from batchgen.io.manifest import MANIFEST_NAME, TEMP_PREFIX, ManifestError, desc
 from batchgen.io.output_lock import OutputLock
 from batchgen.io.assembly import assemble
 from batchgen.io.output_table import ROW_INDEX, num_error_rows
+from batchgen.io.row_set import RowSet
 
 FINGERPRINT_KEY = "batchgen.fingerprint"
 
@@ -202,17 +203,17 @@ class ShardWriter:
             else:
                 stray.unlink()
 
-    def _read_committed(self) -> set[int]:
-        committed: set[int] = set()
+    def _read_committed(self) -> RowSet:
+        committed = RowSet()
         for shard in self._shards:
             table = pq.read_table(self.shard_dir / shard["file"], columns=[ROW_INDEX])
-            committed.update(table.column(ROW_INDEX).to_pylist())
+            committed.add(table.column(ROW_INDEX).to_numpy())
         return committed
 
     # ---- writing ---------------------------------------------------------------------------
-    def committed_indices(self) -> set[int]:
-        """Input row indices whose rows are committed (a copy)."""
-        return set(self._committed)
+    def committed_rows(self) -> RowSet:
+        """Input row indices whose rows are committed (read only: the writer adds to it as it commits)."""
+        return self._committed
 
     def add_rows(self, rows: list[dict]) -> None:
         """Buffer the rows of whole input rows (all n samples of each in one call).
@@ -259,7 +260,7 @@ class ShardWriter:
                 raise OutputError(f"could not commit a shard to {str(self.shard_dir)!r}: {error}. Every row "
                                   "committed before is kept: fix the cause and run again to resume") from None
             self._shards.append(shard)
-            self._committed |= self._buffered_indices
+            self._committed.add(self._buffered_indices)
             self._buffer, self._buffered_indices = [], set()
 
     def _write_manifest(self, shards: list[dict]) -> None:

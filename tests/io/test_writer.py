@@ -35,7 +35,7 @@ def test_shards_and_manifest_are_committed_every_shard_size_rows(tmp_path):
     for index in [4, 0, 3]:
         writer.add_rows([row(index)])
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet"]
-    assert writer.committed_indices() == {0, 4}
+    assert set(writer.committed_rows()) == {0, 4}
     writer.finish()
     manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
     assert manifest["fingerprint"] == "fp-1"
@@ -56,13 +56,13 @@ def test_resume_skips_committed_rows_and_refuses_repeats(tmp_path):
         first.add_rows([row(index)])
     first.close()  # killed here: row 4 was only buffered
     second = open_writer(tmp_path / "out")
-    assert second.committed_indices() == {0, 1, 2, 3}
-    assert not set(range(5)) <= second.committed_indices()
+    assert set(second.committed_rows()) == {0, 1, 2, 3}
+    assert not set(range(5)) <= set(second.committed_rows())
     with pytest.raises(ValueError, match=r"row_index \[2\] already written"):
         second.add_rows([row(2)])
     second.add_rows([row(4)])
     second.finish()
-    assert set(range(5)) <= second.committed_indices()
+    assert set(range(5)) <= set(second.committed_rows())
     assert sorted(pq.read_table(tmp_path / "out").column("row_index").to_pylist()) == [0, 1, 2, 3, 4]
 
 
@@ -95,7 +95,7 @@ def test_orphan_shard_and_temp_files_are_removed_on_resume(tmp_path):
     (tmp_path / "out" / ".tmp-abc").write_bytes(b"half a shard")
     writer.close()
     resumed = open_writer(tmp_path / "out")
-    assert resumed.committed_indices() == {0, 1}
+    assert set(resumed.committed_rows()) == {0, 1}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock", MANIFEST_NAME, "shard-000000.parquet"]
     resumed.add_rows([row(2), row(3)])
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet", "shard-000001.parquet"]
@@ -120,7 +120,7 @@ def test_crash_during_manifest_update_leaves_an_orphan_that_resume_drops(tmp_pat
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet", "shard-000001.parquet"]
     assert not list((tmp_path / "out").glob(".tmp-*"))
     resumed = open_writer(tmp_path / "out")
-    assert resumed.committed_indices() == {0, 1}
+    assert set(resumed.committed_rows()) == {0, 1}
     assert shard_names(tmp_path / "out") == ["shard-000000.parquet"]
 
 
@@ -131,7 +131,7 @@ def test_missing_listed_shard_is_dropped_so_its_rows_are_recomputed(tmp_path):
     (tmp_path / "out" / "shard-000000.parquet").unlink()
     writer.close()
     resumed = open_writer(tmp_path / "out")
-    assert resumed.committed_indices() == {2, 3}
+    assert set(resumed.committed_rows()) == {2, 3}
     manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
     assert [s["file"] for s in manifest["shards"]] == ["shard-000001.parquet"]
 
@@ -144,7 +144,7 @@ def test_fingerprint_mismatch_is_refused_and_overwrite_replaces(tmp_path):
     with pytest.raises(JobMismatchError, match="answers.parquet.* holds 2 rows of a different job.*--overwrite"):
         open_writer(path, fingerprint="fp-2")
     fresh = open_writer(path, fingerprint="fp-2", mode="overwrite")
-    assert fresh.committed_indices() == set()
+    assert set(fresh.committed_rows()) == set()
     assert not path.exists()
     assert shard_names(tmp_path / "answers.parquet.shards") == []
     fresh.add_rows([row(7)])
@@ -187,7 +187,7 @@ def test_rows_are_checked_against_the_schema(tmp_path):
         writer.add_rows([{**row(0), "surprise": 1}])
     with pytest.raises(ValueError, match="required column 'finish_reason'"):
         writer.add_rows([{**row(0), "finish_reason": None}])
-    assert writer.committed_indices() == set()
+    assert set(writer.committed_rows()) == set()
 
 
 def test_bad_arguments_are_refused(tmp_path):
@@ -227,3 +227,16 @@ def test_the_final_file_is_assembled_bucket_by_bucket_in_row_order(tmp_path, mon
     assert parquet.read().column("row_index").to_pylist() == list(range(18))
     assert writer.num_error_rows() == 4  # 0, 5, 10, 15, from the manifest
     assert not list((tmp_path / "answers.parquet.shards").glob(".tmp-*"))
+
+
+def test_row_set_counts_distinct_indices_and_grows():
+    from batchgen.io.row_set import RowSet
+
+    rows = RowSet()
+    rows.add([3, 3, 0])
+    rows.add({10_000, 3})
+    assert len(rows) == 3 and list(rows) == [0, 3, 10_000]
+    assert 3 in rows and 4 not in rows and -1 not in rows and 10**9 not in rows
+    assert rows.count_below(4) == 2 and rows.count_below(10**9) == 3
+    with pytest.raises(ValueError, match="non-negative"):
+        rows.add([-2])
