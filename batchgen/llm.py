@@ -148,18 +148,19 @@ class LLM:
         yield from self.run_requests(plan.requests, len(plan.requests), use_tqdm)
 
     def run_requests(self, items: Iterable[PlannedRequest | PromptError], total: int | None = None,
-                     use_tqdm: bool = True, watermark: int = DEFAULT_WINDOW) -> Iterator[RequestOutput]:
+                     use_tqdm: bool = True, watermark: int = DEFAULT_WINDOW,
+                     desc: str = "requests") -> Iterator[RequestOutput]:
         """Step the engine until every item is done, yielding outputs as requests finish. Items are
         taken lazily, in order, only while fewer than `watermark` requests and fewer than
         `WAITING_TOKENS_WATERMARK` prompt tokens wait: a planned request is admitted, a prompt
-        error is yielded as its output. The bar (`total` items) shows this call's output tok/s
-        and prefix hit rate."""
+        error is yielded as its output. The bar (`desc`, `total` items: done, rate, ETA) shows
+        this call's output tok/s and prefix hit rate."""
         before = dataclasses.replace(self.stats)
         start_time = time.time()
         items = iter(items)
         engine = self.engine
         is_exhausted = False
-        with tqdm(total=total, desc="requests", disable=not use_tqdm, unit="req") as bar:
+        with tqdm(total=total, desc=desc, disable=not use_tqdm, unit=desc.removesuffix("s")) as bar:
             while True:
                 while (not is_exhausted and engine.num_waiting < watermark
                        and engine.num_waiting_tokens < WAITING_TOKENS_WATERMARK):

@@ -325,7 +325,7 @@ def _generate(config: JobConfig, llm: LLM, writer: ShardWriter, batches: Iterabl
                 yield request
 
         watermark = WAITING_ROWS_PER_SEQ * config.engine.max_num_seqs
-        for output in llm.run_requests(requests(), len(plan.order), use_tqdm, watermark):
+        for output in llm.run_requests(requests(), len(plan.order), use_tqdm, watermark, desc="rows"):
             _write(writer, layout, running.pop(output.request_id), output, counts)
     return llm.stats
 
@@ -370,5 +370,7 @@ def _add_measurements(summary: JobSummary, wall_s: float) -> None:
     summary.wall_s = wall_s
     summary.output_tokens_per_s = summary.num_output_tokens / wall_s if wall_s > 0 else 0.0
     summary.rows_per_s = (summary.num_rows_ok + summary.num_rows_failed) / wall_s if wall_s > 0 else 0.0
+    summary.prefix_hit_rate = (summary.num_cached_prompt_tokens / summary.num_prompt_tokens
+                               if summary.num_prompt_tokens else 0.0)
     summary.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary.peak_cuda_bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None

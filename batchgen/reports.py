@@ -95,6 +95,7 @@ class JobSummary:
     wall_s: float = 0.0
     output_tokens_per_s: float = 0.0
     rows_per_s: float = 0.0
+    prefix_hit_rate: float = 0.0  # num_cached_prompt_tokens / num_prompt_tokens
     peak_rss_bytes: int = 0
     peak_cuda_bytes: int | None = None
 
@@ -118,7 +119,8 @@ class JobSummary:
             f"  rows         {self.num_rows_ok:,} ok, {self.num_rows_failed:,} failed "
             f"({self.num_skipped_rows:,} input rows already done)",
             f"  tokens       in {self.num_prompt_tokens:,} | computed {self.num_computed_prompt_tokens:,} | "
-            f"cached {self.num_cached_prompt_tokens:,} | out {self.num_output_tokens:,}",
+            f"cached {self.num_cached_prompt_tokens:,} ({self.prefix_hit_rate:.1%} prefix hit) | "
+            f"out {self.num_output_tokens:,}",
             f"  wall time    {self.wall_s:.1f} s | {self.output_tokens_per_s:.1f} output tokens/s | "
             f"{self.rows_per_s:.2f} rows/s",
             f"  peak memory  {memory}",
