@@ -31,7 +31,7 @@ import resource
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from batchgen import models
 from batchgen.config import JobConfig
+from batchgen.engine.radix_tree import PrefixGroup
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
 from batchgen.io.output_table import arrow_type_of_schema, output_rows, output_schema, score_schema
@@ -156,12 +157,7 @@ def plan_report(config: JobConfig, plan: JobPlan, tokenizer, num_rows: int, erro
     def row_id(position: int) -> str:
         return plan.record(position)[0].id
 
-    groups = [
-        PrefixGroupReport(group.num_requests, group.num_shared_tokens,
-                          snippet(tokenizer.decode(group.shared_token_ids)),
-                          [row_id(position) for position in group.request_ids[:MAX_GROUP_IDS]])
-        for group in plan.prefix_groups(MAX_PREFIX_GROUPS)
-    ]
+    groups = group_reports(plan.prefix_groups(MAX_PREFIX_GROUPS), tokenizer, row_id)
     order_ids = [row_id(int(position)) for position in plan.order[:MAX_ORDER_IDS]]
     return _report(config, plan.stats, plan.tree.block_size, num_rows, errors, groups, order_ids)
 
@@ -179,12 +175,17 @@ def score_plan_report(config: JobConfig, rows: list[InputRow], tokenizer, limits
         row = by_index[owners[error.request_id][0]]
         errors.add(dataclasses.replace(row, error=pair_error(owners, error.request_id, error.message)))
     ids = {request_id: by_index[owner[0]].id for request_id, owner in owners.items()}
-    groups = [PrefixGroupReport(group.num_requests, group.num_shared_tokens,
-                                snippet(tokenizer.decode(group.shared_token_ids)),
-                                [ids[index] for index in group.request_ids[:MAX_GROUP_IDS]])
-              for group in plan.prefix_groups(MAX_PREFIX_GROUPS)]
+    groups = group_reports(plan.prefix_groups(MAX_PREFIX_GROUPS), tokenizer, ids.__getitem__)
     order_ids = [ids[request.request_id] for request in plan.requests[:MAX_ORDER_IDS]]
     return _report(config, plan.stats, plan.block_size, len(rows), errors, groups, order_ids)
+
+
+def group_reports(groups: list[PrefixGroup], tokenizer, id_of: Callable[[int], str]) -> list[PrefixGroupReport]:
+    """The report of each prefix group: its size, a snippet of its prefix, its first few row ids."""
+    return [PrefixGroupReport(group.num_requests, group.num_shared_tokens,
+                              snippet(tokenizer.decode(group.shared_token_ids)),
+                              [id_of(request_id) for request_id in group.request_ids[:MAX_GROUP_IDS]])
+            for group in groups]
 
 
 def _report(config: JobConfig, stats, block_size: int, num_rows: int, errors: FirstErrors,

@@ -126,9 +126,8 @@ class RadixTree:
             self._arrays = {name: np.concatenate(parts) if parts else np.zeros(0, np.int64)
                             for name, parts in self._columns.items()}
             self._columns = {name: [array] for name, array in self._arrays.items()}
-            ids = self._arrays["ids"]
-            if len(np.unique(ids)) != len(ids):
-                values, counts = np.unique(ids, return_counts=True)
+            values, counts = np.unique(self._arrays["ids"], return_counts=True)
+            if (counts > 1).any():
                 raise ValueError(f"request id {int(values[counts > 1][0])} was inserted more than once")
         return self._arrays
 
@@ -239,10 +238,9 @@ class RadixTree:
             is_full[parent[child_weight == level.weights[parent]]] = True
         qualifies = np.flatnonzero((level.weights >= 2) & ~is_full)
         depth = level.depth + 1
-        saved = (level.weights[qualifies] - 1) * depth * self.block_size
-        best = qualifies[np.lexsort((level.first_rows[qualifies], -saved))[:max_groups]]
-        return [(-int((level.weights[node] - 1) * depth * self.block_size), int(level.first_rows[node]), -depth,
-                 int(level.nodes[node])) for node in best]
+        saved = (level.weights - 1) * depth * self.block_size
+        best = qualifies[np.lexsort((level.first_rows[qualifies], -saved[qualifies]))[:max_groups]]
+        return [(-int(saved[node]), int(level.first_rows[node]), -depth, int(level.nodes[node])) for node in best]
 
     def _group(self, depth: int, node: int, token_ids_of: Callable[[int], Sequence[int]] | None) -> PrefixGroup:
         arrays = self._arrays_of()

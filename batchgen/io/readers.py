@@ -72,7 +72,8 @@ def detect_format(path: str | Path) -> str:
 @dataclass
 class InputSource:
     """An opened input: its columns, row count, the Arrow field of each column it can name, and
-    its records in input order, `batch_rows` at a time, holding only the columns asked for."""
+    its records in input order, `batch_rows` at a time (Parquet and datasets read only the
+    columns asked for; a JSONL record holds its line's keys)."""
 
     columns: list[str]
     num_rows: int

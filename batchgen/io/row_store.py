@@ -25,9 +25,6 @@ class RowStore:
         self._offsets = array("Q", [0])
         self._is_flushed = True
 
-    def __len__(self) -> int:
-        return len(self._offsets) - 1
-
     def append(self, record: Any) -> int:
         """Store `record`; returns its position."""
         data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)

@@ -68,11 +68,7 @@ class AttentionMetadata:
         starts = torch.tensor([self.query_start_loc[s] for s in seqs])
         rows = starts[:, None] + torch.minimum(query_index[None], query_lens[:, None] - 1)
         positions = torch.arange(int(context_lens.max()))
-        # padding reads the sequence's last context position: a written slot (the pool's unwritten
-        # slots hold anything, NaN included, and 0 * NaN would leak through the mask)
-        read = torch.minimum(positions[None], context_lens[:, None] - 1)  # [P, Cm]
-        tables = self.block_tables[seqs].cpu()
-        slots = torch.gather(tables.long(), 1, read // self.block_size) * self.block_size + read % self.block_size
+        slots = padded_context_slots(self.block_tables[seqs].cpu(), context_lens, len(positions), self.block_size)
         query_pos = (context_lens - query_lens)[:, None] + query_index[None]  # [P, Qm]
         mask = (positions[None, None] <= query_pos[:, :, None]) & (positions[None, None] < context_lens[:, None, None])
         return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device))
@@ -141,6 +137,16 @@ def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     while length < limit and a[length] == b[length]:
         length += 1
     return length
+
+
+def padded_context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, width: int,
+                         block_size: int) -> torch.Tensor:
+    """[S, width] cache slots of positions 0..width-1 of each sequence. A position past a
+    sequence's context reads its last one, a written slot: the pool's unwritten slots hold
+    anything, NaN included, and 0 * NaN would leak through an attention mask."""
+    positions = torch.arange(width, device=block_tables.device)
+    read = torch.minimum(positions[None], context_lens[:, None].long().to(block_tables.device) - 1)
+    return torch.gather(block_tables.long(), 1, read // block_size) * block_size + read % block_size
 
 
 def context_slots(block_table: list[int], num_tokens: int, block_size: int, device) -> torch.Tensor:
@@ -299,10 +305,8 @@ def prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scal
 def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Portable batched decode: gathers each row's K/V (a copy) then one masked SDPA call."""
     block_size = k_cache.shape[1]
-    max_len = int(context_lens.max())
-    positions = torch.arange(max_len, device=q.device)
-    read = torch.minimum(positions[None], context_lens[:, None].long() - 1)  # padding reads a written slot
-    slots = torch.gather(block_tables.long(), 1, read // block_size) * block_size + read % block_size  # [S, L]
+    positions = torch.arange(int(context_lens.max()), device=q.device)
+    slots = padded_context_slots(block_tables, context_lens, len(positions), block_size)  # [S, L]
     keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, Hkv, D]
     values = v_cache.view(-1, *v_cache.shape[2:])[slots]
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
