@@ -100,12 +100,14 @@ def plan_requests(tokenizer: Any, requests: list[tuple[int, Any, SamplingParams]
     planned, errors = [], []
     if encoded is None:
         encoded = encode_batch(tokenizer, [prompt for _, prompt, _ in requests])
+    tokenizer_ids_fit = _tokenizer_ids_fit(tokenizer, limits.vocab_size)
     for (request_id, prompt, params), token_ids in zip(requests, encoded):
         text = prompt if isinstance(prompt, str) else None
         try:
             token_ids = encode_prompt(tokenizer, prompt) if token_ids is None else token_ids
+            checked_vocab_size = None if tokenizer_ids_fit and _is_tokenized(prompt) else limits.vocab_size
             # a scoring request generates nothing: it may fill the whole context
-            _check_prompt_tokens(token_ids, limits.max_prompt_len + (request_id in scores), limits.vocab_size)
+            _check_prompt_tokens(token_ids, limits.max_prompt_len + (request_id in scores), checked_vocab_size)
             if params.constraint is not None:
                 limits.check_constraint(params)
         except ValueError as error:
@@ -153,10 +155,24 @@ def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], limits: P
     return plan
 
 
-def _check_prompt_tokens(token_ids: list[int], max_prompt_len: int, vocab_size: int) -> None:
-    """Raise ValueError when the encoded prompt is too long or holds an id outside the vocabulary."""
+def _tokenizer_ids_fit(tokenizer: Any, vocab_size: int) -> bool:
+    """Whether every id the tokenizer can produce is inside the model's vocabulary."""
+    try:
+        return len(tokenizer) <= vocab_size
+    except TypeError:  # a tokenizer without a length: check each prompt's ids
+        return False
+
+
+def _is_tokenized(prompt: Any) -> bool:
+    """Whether the prompt's ids come from the tokenizer (text or chat messages), not from the caller."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict))
+
+
+def _check_prompt_tokens(token_ids: list[int], max_prompt_len: int, vocab_size: int | None) -> None:
+    """Raise ValueError when the encoded prompt is too long or holds an id outside the vocabulary
+    (not checked when `vocab_size` is None: ids the tokenizer made, which all fit)."""
     if len(token_ids) > max_prompt_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {max_prompt_len}")
-    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+    if vocab_size is not None and token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
         bad = next(token for token in token_ids if not 0 <= token < vocab_size)
         raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")

@@ -59,3 +59,29 @@ def test_texts_and_chats_are_encoded_in_batches_as_encode_prompt_encodes_them():
     assert encoded == [encode_prompt(TOKENIZER, p) for p in [*texts, *chats]] + [None] * 4
     # one refused text: each is encoded alone
     assert encode_batch(TOKENIZER, ["w10", "bad \ud800", chats[0]]) == [None, None, encode_prompt(TOKENIZER, chats[0])]
+
+
+def test_batched_texts_bypass_the_wrapper_only_when_the_backend_neither_truncates_nor_pads():
+    from batchgen.prompts import encode_batch
+
+    tokenizer = word_tokenizer()
+    texts = ["w10 w11 w12 w13", "w14"]
+    expected = [encode_prompt(tokenizer, text) for text in texts]
+    assert encode_batch(tokenizer, texts) == expected
+    tokenizer.backend_tokenizer.enable_truncation(2)  # left on the backend by another caller
+    assert encode_batch(tokenizer, texts) == expected  # the wrapper turns it off for its call
+
+
+def test_the_planner_refuses_ids_outside_the_models_vocabulary_from_the_caller_or_a_larger_tokenizer():
+    from batchgen.plan import PlanLimits, plan_requests
+    from batchgen.sampling_params import SamplingParams
+
+    params = SamplingParams()
+    requests = [(0, "w10 w40", params), (1, [10, 40], params), (2, [{"role": "user", "content": "w40"}], params)]
+    fits = PlanLimits(block_size=4, max_prompt_len=64, vocab_size=len(TOKENIZER))
+    planned, errors = plan_requests(TOKENIZER, requests, fits)
+    assert [request.request_id for request in planned] == [0, 1, 2] and not errors
+    smaller = PlanLimits(block_size=4, max_prompt_len=64, vocab_size=30)  # the tokenizer makes ids the model lacks
+    planned, errors = plan_requests(TOKENIZER, requests, smaller)
+    assert not planned and [error.request_id for error in errors] == [0, 1, 2]
+    assert all("token id 40 is outside the vocabulary [0, 30)" in error.message for error in errors)
