@@ -72,6 +72,23 @@ def limit_option(function: Any) -> Any:
                         help="Use only the first N rows of the input.")(function)
 
 
+def executor_options(function: Any) -> Any:
+    function = click.option("--num-workers", type=click.IntRange(min=1), metavar="N",
+                            help="Engines (Ray workers) for --executor ray; replaces the job's ray.num_workers.")(function)
+    return click.option("--executor", type=click.Choice(["local", "ray"]),
+                        help="Run on this machine, or on Ray (a local Ray instance unless the job's "
+                             "ray.address names a cluster); replaces the job's executor.")(function)
+
+
+def executor_overrides(executor: str | None, num_workers: int | None) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    if executor is not None:
+        overrides["executor"] = executor
+    if num_workers is not None:
+        overrides["ray.num_workers"] = num_workers
+    return overrides
+
+
 def load(job: Path, overrides: dict[str, Any]) -> JobConfig:
     try:
         return load_job(job, overrides)
@@ -87,7 +104,9 @@ def load(job: Path, overrides: dict[str, Any]) -> JobConfig:
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing output instead of resuming it (needed when the job changed).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def run(job: Path, output: Path | None, limit: int | None, overwrite: bool, no_progress: bool) -> None:
+@executor_options
+def run(job: Path, output: Path | None, limit: int | None, overwrite: bool, no_progress: bool, executor: str | None,
+        num_workers: int | None) -> None:
     """Run JOB: read, plan, generate and write every row.
 
     Rows are committed in shards; running the same command again after a crash or a
@@ -95,7 +114,7 @@ def run(job: Path, output: Path | None, limit: int | None, overwrite: bool, no_p
     an output: a second run on it is refused. A summary is printed and saved beside the
     output as <output>.summary.json.
     """
-    overrides: dict[str, Any] = {}
+    overrides = executor_overrides(executor, num_workers)
     if output is not None:
         overrides["output.path"] = str(output.resolve())
     if overwrite:
@@ -113,13 +132,15 @@ def run(job: Path, output: Path | None, limit: int | None, overwrite: bool, no_p
 @job_argument
 @limit_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(job: Path, limit: int | None, as_json: bool) -> None:
-    """Plan JOB without running a model: prefix sharing, tokens to prefill, run order.
+@executor_options
+def plan(job: Path, limit: int | None, as_json: bool, executor: str | None, num_workers: int | None) -> None:
+    """Plan JOB without running a model: prefix sharing, tokens to prefill, run order, and
+    with --executor ray the partitions each worker runs.
 
     Loads only the tokenizer. The numbers are the ones `batchgen run` reports when the
     KV cache holds each shared prefix while its group runs.
     """
-    config = load(job, {})
+    config = load(job, executor_overrides(executor, num_workers))
     try:
         report = plan_job(config, limit=limit, use_tqdm=sys.stderr.isatty())
     except JobConfigError as error:

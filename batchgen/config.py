@@ -1,7 +1,8 @@
 """Job files: strict loading of a YAML job into a ``JobConfig``.
 
-A job file has five top-level keys: ``model``, ``engine``, ``input``, ``sampling``
-and ``output`` (see ``jobs/`` for commented examples). Loading is strict: an unknown
+A job file has the top-level keys ``model``, ``engine``, ``input``, ``sampling`` and
+``output``, and optionally ``task`` (generate or score), ``executor`` (local or ray) and
+``ray`` (see ``jobs/`` for commented examples). Loading is strict: an unknown
 or duplicate key, a value of the wrong type or out of range, an invalid sampling
 value or a missing input file raises ``JobConfigError`` whose message reads
 ``<job file>:<line>: <dotted key>: <what is wrong and what is allowed>``.
@@ -35,6 +36,7 @@ from batchgen.config_values import (
     format_template,
     int_at_least,
     non_empty_text,
+    number_at_least,
     one_of,
     option,
     options_of,
@@ -98,6 +100,20 @@ class OutputConfig:
 
 
 @dataclass
+class RayConfig:
+    """Where and how wide ``executor: ray`` runs: one engine per worker (a Ray actor)."""
+
+    address: str | None = option(None, or_null(non_empty_text))  # null: start a local Ray instance
+    num_workers: int = option(2, int_at_least(1))
+    num_cpus_per_worker: float = option(1.0, number_at_least(0))
+    num_gpus_per_worker: float = option(0.0, number_at_least(0))
+    max_rows_per_partition: int = option(50_000, int_at_least(1))  # a partition is one Ray task's input
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass
 class JobConfig:
     """A validated job. ``key_lines`` maps dotted keys to their line (0: command line)."""
 
@@ -108,6 +124,8 @@ class JobConfig:
     sampling: SamplingConfig
     output: OutputConfig
     task: str = "generate"
+    executor: str = "local"
+    ray: RayConfig = field(default_factory=RayConfig)
     key_lines: dict[str, int] = field(default_factory=dict, repr=False)
 
     def error(self, key: str, message: str) -> JobConfigError:
@@ -139,6 +157,8 @@ class JobConfig:
             "input": {**dataclasses.asdict(self.input), "path": _str_or_none(self.input.path)},
             "sampling": {**dataclasses.asdict(self.sampling.params), "overrides": dict(self.sampling.overrides)},
             "output": {**dataclasses.asdict(self.output), "path": _str_or_none(self.output.path)},
+            "executor": self.executor,
+            "ray": dataclasses.asdict(self.ray),
         }
 
 
@@ -173,8 +193,9 @@ def key_lines(job_path: Path, node: yaml.Node | None, prefix: str = "") -> dict[
     return lines
 
 
-TOP_KEYS = ("model", "engine", "input", "sampling", "output", "task")
+TOP_KEYS = ("model", "engine", "input", "sampling", "output", "ray", "task", "executor")
 TASKS = ("generate", "score")
+EXECUTORS = ("local", "ray")
 
 
 def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
@@ -197,7 +218,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     _apply_overrides(raw, lines, overrides or {})
     locate = lambda key, message: _locate(job_path, lines, key, message)  # noqa: E731
     _refuse_unknown(locate, "", raw, TOP_KEYS)
-    sections = {name: _section(locate, name, raw.get(name)) for name in TOP_KEYS[1:5]}
+    sections = {name: _section(locate, name, raw.get(name)) for name in TOP_KEYS[1:6]}
     config = JobConfig(
         job_path=job_path,
         model=_model(locate, raw.get("model"), job_path.parent),
@@ -205,18 +226,26 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
         input=_parse_fields(locate, "input", InputConfig, sections["input"]),
         sampling=_parse_sampling(locate, sections["sampling"]),
         output=_parse_fields(locate, "output", OutputConfig, sections["output"]),
-        task=_task(locate, raw.get("task", "generate")),
+        task=_one_of(locate, "task", raw.get("task", "generate"), TASKS),
+        executor=_one_of(locate, "executor", raw.get("executor", "local"), EXECUTORS),
+        ray=_parse_fields(locate, "ray", RayConfig, sections["ray"]),
         key_lines=lines,
     )
     _resolve_input(locate, config.input, job_path.parent)
     _resolve_output(locate, config.output, job_path.parent)
     _refuse_output_over_input(locate, config)
     _check_task(locate, config, sections["sampling"])
+    if config.executor == "ray" and config.task == "score":
+        raise locate("executor", "executor: ray runs task: generate; a score job runs on one machine (executor: local)")
     return config
 
 
 def _apply_overrides(raw: dict, lines: dict[str, int], overrides: dict[str, Any]) -> None:
     for key, value in overrides.items():
+        if "." not in key:
+            raw[key] = value
+            lines[key] = COMMAND_LINE
+            continue
         section, name = key.split(".")
         if not isinstance(raw.get(section), dict):
             raw[section] = {}
@@ -328,9 +357,9 @@ def _refuse_output_over_input(locate: Callable, config: JobConfig) -> None:
                      "batchgen never writes where it reads: choose another output path")
 
 
-def _task(locate: Callable, value: Any) -> str:
-    if value not in TASKS:
-        raise locate("task", f"expected one of: {', '.join(TASKS)}, got {value!r}")
+def _one_of(locate: Callable, key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise locate(key, f"expected one of: {', '.join(choices)}, got {value!r}")
     return value
 
 

@@ -64,6 +64,14 @@ def int_at_least(min_value: int) -> Check:
     return check
 
 
+def number_at_least(min_value: float) -> Check:
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= min_value:
+            raise ValueError(f"expected a number >= {min_value}")
+        return float(value)
+    return check
+
+
 def one_of(*choices: str) -> Check:
     def check(value: Any) -> str:
         if not isinstance(value, str) or value not in choices:

@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -43,7 +44,8 @@ from batchgen.config import JobConfig
 from batchgen.engine.radix_tree import PrefixGroup
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
-from batchgen.io.output_table import arrow_type_of_schema, output_rows, output_schema, score_schema
+from batchgen.io.output_table import (OutputLayout, output_rows, output_schema, sampling_layout, score_schema,
+                                     with_worker)
 from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
 from batchgen.io.row_set import RowSet
 from batchgen.io.row_store import RowStore
@@ -81,7 +83,8 @@ def open_input(config: JobConfig) -> tuple[InputSource, pa.Schema]:
         if config.task == "score":
             schema = score_schema(carried)
         else:
-            schema = output_schema(carried, has_sample_index(config), json_output_type(config))
+            schema = output_schema(carried, *output_layout(config))
+            schema = with_worker(schema) if config.executor == "ray" else schema
     except ValueError as error:
         raise config.error("input.carry_columns", str(error)) from None
     return source, schema
@@ -104,31 +107,15 @@ def row_batches(config: JobConfig, source: InputSource, limit: int | None, skipp
                 yield batch
 
 
-def json_output_type(config: JobConfig) -> pa.DataType | None:
-    """The output_json column's type: a struct when every row shares one JSON schema it can
-    describe, JSON text when rows bring their own schemas; None without JSON constraints."""
-    if "json_schema" in config.sampling.overrides:
-        return pa.string()
-    schema = config.sampling.params.json_schema
-    if schema is None:
-        return None
-    return arrow_type_of_schema(schema) or pa.string()
-
-
-def has_sample_index(config: JobConfig) -> bool:
-    """Whether outputs carry ``sample_index``: ``n`` > 1, or ``n`` read per row."""
-    return config.sampling.params.n > 1 or "n" in config.sampling.overrides
+def output_layout(config: JobConfig) -> OutputLayout:
+    """The job's output layout: its sampling and the sampling values it reads per row."""
+    return sampling_layout(config.sampling.params, set(config.sampling.overrides))
 
 
 def plan_job(config: JobConfig, limit: int | None = None, use_tqdm: bool = False) -> PlanReport:
     """The plan of the job's rows, from the tokenizer and model config alone (no weights, no forward)."""
     source, _ = open_input(config)
-    try:
-        tokenizer, model_config = models.load_tokenizer_and_config(config.model)
-    except ValueError as error:
-        raise config.error("model", str(error)) from None
-    text_config = model_config.get_text_config()
-    limits = PlanLimits(config.engine.block_size, models.max_context_len(text_config) - 1, text_config.vocab_size)
+    tokenizer, limits = tokenizer_and_limits(config)
     errors = FirstErrors()
     batches = row_batches(config, source, limit, None, use_tqdm, "plan")
     if config.task == "score":
@@ -136,6 +123,17 @@ def plan_job(config: JobConfig, limit: int | None = None, use_tqdm: bool = False
     with RowStore(tempfile.gettempdir()) as store:
         plan = plan_job_rows(batches, tokenizer, limits, config.sampling.params, store, errors.add)
         return plan_report(config, plan, tokenizer, num_job_rows(source, limit), errors)
+
+
+def tokenizer_and_limits(config: JobConfig) -> tuple[Any, PlanLimits]:
+    """The job's tokenizer and the limits a prompt must fit, from the tokenizer and model config alone."""
+    try:
+        tokenizer, model_config = models.load_tokenizer_and_config(config.model)
+    except ValueError as error:
+        raise config.error("model", str(error)) from None
+    text_config = model_config.get_text_config()
+    return tokenizer, PlanLimits(config.engine.block_size, models.max_context_len(text_config) - 1,
+                                 text_config.vocab_size)
 
 
 class FirstErrors:
@@ -159,7 +157,13 @@ def plan_report(config: JobConfig, plan: JobPlan, tokenizer, num_rows: int, erro
 
     groups = group_reports(plan.prefix_groups(MAX_PREFIX_GROUPS), tokenizer, row_id)
     order_ids = [row_id(int(position)) for position in plan.order[:MAX_ORDER_IDS]]
-    return _report(config, plan.stats, plan.tree.block_size, num_rows, errors, groups, order_ids)
+    report = _report(config, plan.stats, plan.tree.block_size, num_rows, errors, groups, order_ids)
+    if config.executor == "ray" and len(plan.order):
+        from batchgen.ray_job import partition_reports, random_prefill_tokens  # needs no Ray
+
+        report.partitions = partition_reports(plan, config)
+        report.num_tokens_to_prefill_random = random_prefill_tokens(plan, len(report.partitions))
+    return report
 
 
 def score_plan_report(config: JobConfig, rows: list[InputRow], tokenizer, limits: PlanLimits,
@@ -210,6 +214,7 @@ def job_description(config: JobConfig) -> dict:
         "sampling": as_dict["sampling"],
         "input": input_spec,
         "input_digest": file_digest(config.input.path) if config.input.path else None,
+        **({"executor": "ray"} if config.executor == "ray" else {}),  # its output has a worker column
     }
 
 
@@ -250,6 +255,7 @@ def check_engine(config: JobConfig) -> None:
 def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = True) -> JobSummary:
     """Run the job's first ``limit`` rows (all when None), resuming a partial output; see the module docstring."""
     start_time = time.time()
+    run = job_generator(config)
     source, schema = open_input(config)
     num_rows = num_job_rows(source, limit)
     check_engine(config)
@@ -262,8 +268,8 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
         if not summary.is_nothing_to_do:
             counts = Counter(ok=0, failed=0)
             try:
-                engine_stats = generate(config, writer, row_batches(config, source, limit, committed, use_tqdm, "plan"),
-                                        counts, use_tqdm)
+                engine_stats = run(config, writer, row_batches(config, source, limit, committed, use_tqdm, "plan"),
+                                   counts, use_tqdm)
             except KeyboardInterrupt:
                 writer.flush()  # keep the finished rows: a rerun resumes after them
                 raise
@@ -278,11 +284,22 @@ def run_job(config: JobConfig, *, limit: int | None = None, use_tqdm: bool = Tru
     return summary
 
 
+def job_generator(config: JobConfig) -> Callable[..., EngineStats]:
+    """How the job's rows are generated: here (`generate`), or on Ray (`ray_job.generate_on_ray`,
+    once Ray is known to be installed: the job is refused before any work otherwise)."""
+    if config.executor != "ray":
+        return generate
+    from batchgen.ray_job import generate_on_ray, import_ray  # Ray is an optional extra
+
+    import_ray(config)
+    return generate_on_ray
+
+
 def generate(config: JobConfig, writer: ShardWriter, batches: Iterable[list[InputRow]], counts: Counter,
              use_tqdm: bool) -> EngineStats:
     """Write every row's outputs (rows that cannot run as they are planned, then the engine's as
     they finish); returns the engine's counters."""
-    layout = (has_sample_index(config), json_output_type(config))
+    layout = output_layout(config)
     llm = load_llm(config)
     with paced_collection():
         return _generate(config, llm, writer, batches, counts, use_tqdm, layout)
@@ -305,18 +322,15 @@ def paced_collection() -> Iterator[None]:
 
 
 def _generate(config: JobConfig, llm: LLM, writer: ShardWriter, batches: Iterable[list[InputRow]], counts: Counter,
-              use_tqdm: bool, layout: tuple[bool, pa.DataType | None]) -> EngineStats:
+              use_tqdm: bool, layout: OutputLayout) -> EngineStats:
     """`generate` with the model loaded: plan every row, then run them in plan order."""
     if config.task == "score":
         score_rows_in_chunks(config, llm, writer, batches, counts, use_tqdm)
         return llm.stats
 
-    def write_failed(row: InputRow, num_samples: int) -> None:
-        _write(writer, layout, row, RequestOutput.failed(row.index, None, [], num_samples, row.error, time.time()),
-               counts)
-
     with RowStore(Path(config.output.path).parent) as store:
-        plan = plan_job_rows(batches, llm.tokenizer, llm.plan_limits(), config.sampling.params, store, write_failed)
+        plan = plan_job_rows(batches, llm.tokenizer, llm.plan_limits(), config.sampling.params, store,
+                             failed_row_writer(writer, layout, counts))
         plan.tree = None  # the run needs only the order: the chains are freed before the KV pool fills
         running: dict[int, InputRow] = {}  # admitted rows, until written
 
@@ -327,7 +341,7 @@ def _generate(config: JobConfig, llm: LLM, writer: ShardWriter, batches: Iterabl
 
         watermark = WAITING_ROWS_PER_SEQ * config.engine.max_num_seqs
         for output in llm.run_requests(requests(), len(plan.order), use_tqdm, watermark, desc="rows"):
-            _write(writer, layout, running.pop(output.request_id), output, counts)
+            write_output(writer, layout, running.pop(output.request_id), output, counts)
     return llm.stats
 
 
@@ -354,10 +368,18 @@ def load_llm(config: JobConfig) -> LLM:
         raise config.error("model", str(error)) from None
 
 
-def _write(writer: ShardWriter, layout: tuple[bool, pa.DataType | None], row: InputRow, output: RequestOutput,
+def failed_row_writer(writer: ShardWriter, layout: OutputLayout, counts: Counter) -> Callable[[InputRow, int], None]:
+    """Writes a row that cannot run (its ``error`` set) as its error rows, one per sample."""
+    def write_failed(row: InputRow, num_samples: int) -> None:
+        output = RequestOutput.failed(row.index, None, [], num_samples, row.error, time.time())
+        write_output(writer, layout, row, output, counts)
+    return write_failed
+
+
+def write_output(writer: ShardWriter, layout: OutputLayout, row: InputRow, output: RequestOutput,
            counts: Counter) -> None:
     """Buffer the output rows of one input row and count them as ok or failed; `layout` is
-    (has_sample_index, json_output_type) of the job, computed once."""
+    the job's `output_layout`, computed once."""
     writer.add_rows(output_rows(row, output, *layout))
     for completion in output.outputs:
         counts["failed" if completion.finish_reason == FinishReason.ERROR else "ok"] += 1

@@ -25,6 +25,15 @@ class PrefixGroupReport:
 
 
 @dataclass
+class PartitionReport:
+    """One worker's share of a job run on Ray: its rows and what it prefills with a cache of its own."""
+
+    num_rows: int
+    num_prompt_tokens: int
+    num_tokens_to_prefill: int
+
+
+@dataclass
 class PlanReport:
     """The plan of a job: prompt-token totals from the radix tree and the run order.
 
@@ -44,11 +53,26 @@ class PlanReport:
     prefix_groups: list[PrefixGroupReport] = field(default_factory=list)
     run_order_ids: list[str] = field(default_factory=list)
     bad_row_errors: list[str] = field(default_factory=list)
+    partitions: list[PartitionReport] | None = None  # executor: ray
+    num_tokens_to_prefill_random: int | None = None  # executor: ray, rows placed blind to prefixes
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_text(self) -> str:
+        return "\n".join([*self._plan_lines(), *self._partition_lines()])
+
+    def _partition_lines(self) -> list[str]:
+        if self.partitions is None:
+            return []
+        total = sum(part.num_tokens_to_prefill for part in self.partitions)
+        lines = [f"partitions (executor: ray, {len(self.partitions)}): {total:,} tokens to prefill in all, "
+                 f"{self.num_tokens_to_prefill_random:,} if rows were placed at random"]
+        lines += [f"  {number:>3}: {part.num_rows:>9,} rows  {part.num_prompt_tokens:>13,} prompt tokens  "
+                  f"{part.num_tokens_to_prefill:>12,} to prefill" for number, part in enumerate(self.partitions)]
+        return lines
+
+    def _plan_lines(self) -> list[str]:
         lines = [
             f"plan for {self.job}",
             f"  requests           {self.num_requests:,} of {self.num_rows:,} rows ({self.num_bad_rows:,} bad)",
@@ -69,7 +93,7 @@ class PlanReport:
         if self.bad_row_errors:
             lines.append("bad rows (each becomes an error row):")
             lines += [f"  {error}" for error in self.bad_row_errors]
-        return "\n".join(lines)
+        return lines
 
 
 @dataclass

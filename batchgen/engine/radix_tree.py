@@ -191,25 +191,49 @@ class RadixTree:
         return self._order
 
     def stats(self) -> PlanStats:
-        """Prefill totals when requests run in ``order()`` and no cached block is evicted.
+        """Prefill totals when requests run in ``order()`` and no cached block is evicted (see `cached_tokens`)."""
+        num_prompt_tokens = int(self.num_tokens().sum())
+        num_cached = int(self.cached_tokens().sum())
+        hit_rate = num_cached / num_prompt_tokens if num_prompt_tokens else 0.0
+        return PlanStats(len(self.num_tokens()), num_prompt_tokens, num_prompt_tokens - num_cached, num_cached, hit_rate)
 
-        A request reuses the nodes of its path that an earlier request computed, at most its cap
-        (``max_reused_tokens // block_size``, ``(L - 1) // block_size`` by default): inside each
-        shared node, every request but the first in run order reuses it.
+    def num_tokens(self) -> np.ndarray:
+        """The prompt's token count of each request, by insertion index."""
+        return self._arrays_of()["tokens"]
+
+    def cached_tokens(self, parts: np.ndarray | None = None) -> np.ndarray:
+        """Per request (by insertion index), the prompt tokens the prefix cache serves when the
+        requests run in ``order()`` and no cached block is evicted. With ``parts`` (a partition
+        number per request) each partition runs on its own, with a cache of its own.
+
+        A request reuses the nodes of its path that an earlier request of its partition computed,
+        at most its cap (``max_reused_tokens // block_size``, ``(L - 1) // block_size`` by
+        default): inside each shared node, every request but the partition's first in run order
+        reuses it.
         """
         arrays = self._arrays_of()
-        num_prompt_tokens = int(arrays["tokens"].sum())
         reused = np.zeros(len(arrays["ids"]), np.int64)
         if len(reused):
+            parts = np.zeros(len(reused), np.int64) if parts is None else np.asarray(parts, np.int64)
             rank = np.empty(len(reused), np.int64)
             rank[self.order_indices()] = np.arange(len(reused))
             for level in self._levels():
-                first_rank = np.full(len(level.nodes), len(reused), np.int64)
-                np.minimum.at(first_rank, level.inverse, rank[level.rows])
-                reused[level.rows] += rank[level.rows] != first_rank[level.inverse]
-        num_cached = int(np.minimum(reused, arrays["caps"]).sum()) * self.block_size
-        hit_rate = num_cached / num_prompt_tokens if num_prompt_tokens else 0.0
-        return PlanStats(len(reused), num_prompt_tokens, num_prompt_tokens - num_cached, num_cached, hit_rate)
+                _, node_in_part = np.unique(level.inverse * (int(parts.max()) + 1) + parts[level.rows],
+                                            return_inverse=True)
+                first_rank = np.full(int(node_in_part.max()) + 1, len(reused), np.int64)
+                np.minimum.at(first_rank, node_in_part, rank[level.rows])
+                reused[level.rows] += rank[level.rows] != first_rank[node_in_part]
+        return np.minimum(reused, arrays["caps"]) * self.block_size
+
+    def block_hashes_at(self, depth: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the ``depth``-th chain hash of each request of ``indices``, whether it has that many
+        blocks: where it does not, its hash is 0)."""
+        has_block = self._arrays_of()["lengths"][indices] > depth
+        hashes = np.zeros(len(indices), np.uint64)
+        positions = np.flatnonzero(has_block)
+        ascending = np.argsort(indices[positions], kind="stable")
+        hashes[positions[ascending]] = self._hashes_at(depth, indices[positions][ascending])
+        return hashes, has_block
 
     def prefix_groups(self, max_groups: int = 10,
                       token_ids_of: Callable[[int], Sequence[int]] | None = None) -> list[PrefixGroup]:

@@ -2,7 +2,7 @@
 
 A hidden JSON file in the shard folder, replaced atomically on every commit:
 ``{"format", "fingerprint", "metadata", "description", "num_rows", "shards": [{file,
-num_rows, num_requests, num_errors}]}``. ``description`` is what the fingerprint was made from (model,
+num_rows, num_requests, num_errors, and partition for a partition's shard}]}``. ``description`` is what the fingerprint was made from (model,
 dtype, sampling, input), so a changed job can be told exactly what changed.
 """
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from batchgen.io.readers import InputRow
 from batchgen.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, ScoreOutput
+from batchgen.sampling_params import SamplingParams
 
 ROW_INDEX = "row_index"  # the input row number: the writer's commit key and the final file's sort key
 SAMPLE_INDEX = "sample_index"
@@ -37,9 +38,8 @@ TIMING_NAMES = ("queue_s", "ttft_s", "tpot_s", "itl_p50_s", "itl_p99_s", "itl_ma
 
 @dataclass
 class Sample:
-    """One sample of one input row: what every column's value is read from."""
+    """One sample of one request: what every result column's value is read from."""
 
-    row: InputRow
     output: RequestOutput
     completion: CompletionOutput
 
@@ -86,6 +86,7 @@ RESULT_COLUMNS = (
     *(_timing_column(name) for name in TIMING_NAMES),
 )
 
+WORKER = "worker"  # the Ray worker that served the row (outputs of executor: ray; null for a row that never ran)
 OUTPUT_JSON = "output_json"  # after output_text, only for JSON constraints (see `json_column`)
 OUTPUT_COLUMNS: tuple[str, ...] = tuple(c.name for c in (*KEY_COLUMNS, SAMPLE_INDEX_COLUMN, *RESULT_COLUMNS))
 """Every column batchgen itself always writes (sample_index only when n > 1); carried columns come on top."""
@@ -123,6 +124,22 @@ def arrow_type_of_schema(schema: Any) -> pa.DataType | None:
     return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}.get(kind)
 
 
+OutputLayout = tuple[bool, pa.DataType | None]  # (with_sample_index, json_type): the columns a sample adds
+
+
+def sampling_layout(params: SamplingParams, per_row: Collection[str]) -> OutputLayout:
+    """The output layout of requests sampled with `params`, with the fields in `per_row` read
+    from each row: sample_index when n > 1 or n varies per row; output_json when constrained
+    to a JSON schema, as a struct when every row shares one schema it can describe, else as
+    JSON text."""
+    with_sample_index = params.n > 1 or "n" in per_row
+    if "json_schema" in per_row:
+        return with_sample_index, pa.string()
+    if params.json_schema is None:
+        return with_sample_index, None
+    return with_sample_index, arrow_type_of_schema(params.json_schema) or pa.string()
+
+
 def _result_columns(json_type: pa.DataType | None) -> tuple[OutputColumn, ...]:
     if json_type is None:
         return RESULT_COLUMNS
@@ -133,10 +150,13 @@ def output_schema(carried_schema: list[pa.Field], with_sample_index: bool,
                   json_type: pa.DataType | None = None) -> pa.Schema:
     """The output schema (with output_json of `json_type` when set); raises ValueError when a
     carried column has an output column's name."""
-    _refuse_clashes(carried_schema, {*OUTPUT_COLUMNS, OUTPUT_JSON})
-    sample_fields = [SAMPLE_INDEX_COLUMN.field] if with_sample_index else []
-    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields,
-                      *(c.field for c in _result_columns(json_type))])
+    _refuse_clashes(carried_schema, {*OUTPUT_COLUMNS, OUTPUT_JSON, WORKER})
+    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields(with_sample_index, json_type)])
+
+
+def with_worker(schema: pa.Schema) -> pa.Schema:
+    """`schema` with the `worker` column last: the output of a job run on Ray."""
+    return schema.append(pa.field(WORKER, pa.string(), nullable=True))
 
 
 def _refuse_clashes(carried_schema: list[pa.Field], reserved: set[str]) -> None:
@@ -151,17 +171,22 @@ def _refuse_clashes(carried_schema: list[pa.Field], reserved: set[str]) -> None:
 def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool,
                 json_type: pa.DataType | None = None) -> list[dict]:
     """One output row per sample, with the columns of `output_schema(..., with_sample_index, json_type)`."""
-    rows = []
-    result_columns = _result_columns(json_type)
-    for completion in output.outputs:
-        sample = Sample(row, output, completion)
-        values = {column.name: column.read(sample) for column in KEY_COLUMNS}
-        values.update(row.carried)
-        if with_sample_index:
-            values[SAMPLE_INDEX_COLUMN.name] = SAMPLE_INDEX_COLUMN.read(sample)
-        values.update({column.name: column.read(sample) for column in result_columns})
-        rows.append(values)
-    return rows
+    keys = {ROW_INDEX: row.index, "id": row.id, **row.carried}
+    return [{**keys, **values} for values in sample_values(output, with_sample_index, json_type)]
+
+
+def sample_fields(with_sample_index: bool, json_type: pa.DataType | None = None) -> list[pa.Field]:
+    """The fields of `sample_values`: what an output row holds after its key and carried columns."""
+    sample_columns = [SAMPLE_INDEX_COLUMN] if with_sample_index else []
+    return [column.field for column in (*sample_columns, *_result_columns(json_type))]
+
+
+def sample_values(output: RequestOutput, with_sample_index: bool, json_type: pa.DataType | None = None) -> list[dict]:
+    """Per sample of `output`: its sample_index (when asked) and its result columns."""
+    columns = [SAMPLE_INDEX_COLUMN] if with_sample_index else []
+    columns += _result_columns(json_type)
+    return [{column.name: column.read(Sample(output, completion)) for column in columns}
+            for completion in output.outputs]
 
 
 @dataclass

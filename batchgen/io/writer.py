@@ -222,6 +222,26 @@ class ShardWriter:
         unknown column, a null in a required column, or a row_index already committed
         or added by an earlier call (nothing is written twice).
         """
+        self._buffer_rows(rows)
+        if len(self._buffer) >= self.shard_size:
+            self.flush()
+
+    def commit_partition(self, key: str, rows: list[dict]) -> bool:
+        """Commit the rows of whole input rows as one shard tagged `key` in the manifest (rows
+        buffered before are committed first, in a shard of their own). A partition is committed
+        once: False, and nothing written, when a shard tagged `key` is committed already."""
+        if key in self.committed_partitions():
+            return False
+        self.flush()
+        self._buffer_rows(rows)
+        self.flush(partition=key)
+        return True
+
+    def committed_partitions(self) -> set[str]:
+        """The tags of committed partitions (`commit_partition`)."""
+        return {shard["partition"] for shard in self._shards if "partition" in shard}
+
+    def _buffer_rows(self, rows: list[dict]) -> None:
         indices = set()
         for row in rows:
             self._check_row(row)
@@ -232,8 +252,6 @@ class ShardWriter:
         with deferred_interrupts():
             self._buffer.extend(rows)
             self._buffered_indices |= indices
-        if len(self._buffer) >= self.shard_size:
-            self.flush()
 
     def _check_row(self, row: dict) -> None:
         unknown = set(row) - set(self.schema.names)
@@ -243,15 +261,16 @@ class ShardWriter:
             if not field.nullable and row.get(field.name) is None:
                 raise ValueError(f"output row has no value for required column {field.name!r}")
 
-    def flush(self) -> None:
-        """Commit the buffered rows, if any, as one shard (see the commit protocol)."""
+    def flush(self, partition: str | None = None) -> None:
+        """Commit the buffered rows, if any, as one shard (see the commit protocol), tagged
+        with `partition` when given."""
         if not self._buffer:
             return
         table = pa.Table.from_pylist(self._buffer, schema=self.schema)
         numbers = [int(shard["file"][len("shard-") : -len(".parquet")]) for shard in self._shards]
         name = _shard_name(max(numbers, default=-1) + 1)
         shard = {"file": name, "num_rows": table.num_rows, "num_requests": len(self._buffered_indices),
-                 "num_errors": num_error_rows(table)}
+                 "num_errors": num_error_rows(table), **({"partition": partition} if partition else {})}
         with deferred_interrupts():
             try:
                 atomic_write(self.shard_dir / name, TEMP_PREFIX, lambda file: pq.write_table(table, file))

@@ -171,6 +171,12 @@ def reference_plan(prompts: dict[int, list[int]], block_size: int) -> tuple[list
         order.extend(node["ends"])
         children = sorted(node["children"].values(), key=lambda child: (-child["weight"], child["first"]))
         stack.extend(reversed(children))
+    return order, reference_prefill(prompts, order, block_size)
+
+
+def reference_prefill(prompts: dict[int, list[int]], order: list[int], block_size: int) -> int:
+    """Tokens to prefill when `order`'s requests run one after another, each reusing the full
+    blocks of its prefix an earlier one computed (all but the last token)."""
     computed, prefill = set(), 0
     for request_id in order:
         tokens = prompts[request_id]
@@ -180,7 +186,7 @@ def reference_plan(prompts: dict[int, list[int]], block_size: int) -> tuple[list
             reused += 1
         computed.update(blocks)
         prefill += len(tokens) - min(reused, (len(tokens) - 1) // block_size if tokens else 0) * block_size
-    return order, prefill
+    return prefill
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -195,3 +201,11 @@ def test_order_and_prefill_equal_a_plain_trie_on_random_prompts(seed, monkeypatc
     order, prefill = reference_plan(prompts, 4)
     assert tree.order() == order
     assert tree.stats().num_tokens_to_prefill == prefill
+    # partitions run apart, each in the order restricted to it, with a cache of its own
+    ids = list(prompts)
+    parts = [rng.randrange(3) for _ in ids]
+    cached = tree.cached_tokens(parts)
+    for part in range(3):
+        members = {request_id for request_id, p in zip(ids, parts) if p == part}
+        expected = reference_prefill(prompts, [i for i in order if i in members], 4)
+        assert sum(len(prompts[i]) - cached[ids.index(i)] for i in members) == expected
