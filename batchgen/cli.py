@@ -11,7 +11,7 @@ import click
 
 from batchgen.config import JobConfig, JobConfigError, load_job
 from batchgen.io.writer import OutputError
-from batchgen.pipeline import check_engine, open_input, plan_job, run_job
+from batchgen.pipeline import check_engine, job_generator, open_input, plan_job, run_job
 
 JOB_ERROR_EXIT_CODE = 101
 USAGE_ERROR_EXIT_CODE = 102
@@ -152,12 +152,13 @@ def plan(job: Path, limit: int | None, as_json: bool, executor: str | None, num_
 @job_argument
 def validate(job: Path) -> None:
     """Check JOB strictly without loading a model: keys, types, values, input file and columns,
-    the device, and a KV budget against the model's config.
+    the device, a KV budget against the model's config, and Ray for executor: ray.
 
     Exits with 101 and a message naming the line and key when something is wrong.
     """
     config = load(job, {})
     try:
+        job_generator(config)  # executor: ray needs Ray installed
         table, _ = open_input(config)
         check_engine(config)
     except JobConfigError as error:

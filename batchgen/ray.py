@@ -5,7 +5,7 @@
 
     ds = add_prefix_group_key(ray.data.read_parquet("prompts.parquet"))
     ds = ds.groupby("prefix_group").map_groups(
-        Generate, batch_format="pyarrow", concurrency=2, num_cpus=1,
+        Generate, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1,
         fn_constructor_kwargs={"sampling": {"max_tokens": 64, "temperature": 0}})
     ds.write_parquet("answers/")
 

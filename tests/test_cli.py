@@ -49,7 +49,8 @@ def test_every_command_has_help(command, expected):
 
 def test_every_example_job_validates():
     jobs = sorted(JOBS_DIR.glob("*.yaml"))
-    assert [job.name for job in jobs] == ["chat_parquet.yaml", "hf_dataset.yaml", "quickstart.yaml", "sampling.yaml", "score.yaml", "structured.yaml"]
+    assert [job.name for job in jobs] == ["chat_parquet.yaml", "hf_dataset.yaml", "quickstart.yaml", "ray.yaml", "sampling.yaml", "score.yaml",
+                                         "structured.yaml"]
     for job in jobs:
         result = invoke("validate", job)
         assert result.exit_code == 0, result.output
@@ -81,6 +82,21 @@ def test_plan_prints_text_or_json(tmp_path, model_dir):
     assert f"    3 requests share      8 tokens: \"{words(*range(10, 18))}\"" in text.output
     as_json = json.loads(invoke("plan", job, "--json").output)
     assert (as_json["num_requests"], as_json["num_prompt_tokens"], as_json["num_tokens_to_prefill"]) == (4, 36, 12)
+
+
+def test_plan_for_ray_shows_each_workers_partition_and_random_placement(tmp_path, model_dir):
+    groups = [words(*range(10 + 20 * g, 26 + 20 * g)) for g in range(4)]  # 4 groups, 16 shared tokens each
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{groups[i % 4]} {words(300 + i)}"} for i in range(16)])
+    job = write_job(tmp_path, model_dir, {"path": "in.jsonl", "apply_chat_template": False})
+    result = invoke("plan", job, "--executor", "ray", "--num-workers", "2", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert [part["num_rows"] for part in report["partitions"]] == [8, 8]  # two groups each
+    assert sum(part["num_tokens_to_prefill"] for part in report["partitions"]) == report["num_tokens_to_prefill"]
+    assert report["num_tokens_to_prefill_random"] > report["num_tokens_to_prefill"]
+    text = invoke("plan", job, "--executor", "ray", "--num-workers", "2").output
+    assert "partitions (executor: ray, 2): 80 tokens to prefill in all" in text
+    assert "    0:         8 rows" in text and "    1:         8 rows" in text
 
 
 def test_run_exit_code_counts_failed_rows_and_options_override_the_file(tmp_path, model_dir):

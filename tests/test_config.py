@@ -63,7 +63,8 @@ def test_good_job_loads_with_defaults_and_relative_paths(job_dir, tmp_path_facto
 
 def test_unknown_top_level_key_names_line_and_allowed_keys(job_dir):
     message = load_error(job_dir, GOOD_JOB + "outptu:\n  path: x\n")
-    assert message == f"{job_dir / 'job.yaml'}:12: outptu: unknown key; allowed: model, engine, input, sampling, output, task"
+    assert message == (f"{job_dir / 'job.yaml'}:12: outptu: unknown key; allowed: model, engine, input, sampling, output, ray, task, "
+                       "executor")
 
 
 def test_unknown_nested_key_names_line_and_allowed_keys(job_dir):
@@ -235,3 +236,26 @@ def test_local_model_folder_resolves_against_the_job_file_and_hub_ids_stay(job_d
     assert config.model == str(job_dir / "my-model")
     config = load_job(write_job(job_dir, GOOD_JOB.replace("model: null", "model: org/some-model")))
     assert config.model == "org/some-model"
+
+
+def test_executor_and_ray_options_are_checked_with_their_line(job_dir):
+    config = load_job(write_job(job_dir, GOOD_JOB + "executor: ray\nray:\n  num_workers: 4\n  num_gpus_per_worker: 1\n"))
+    assert config.executor == "ray" and config.ray.num_workers == 4 and config.ray.num_gpus_per_worker == 1.0
+    assert config.ray.address is None and config.ray.num_cpus_per_worker == 1.0
+    assert load_job(write_job(job_dir, GOOD_JOB)).executor == "local"
+    job = f"{job_dir / 'job.yaml'}"
+    assert load_error(job_dir, GOOD_JOB + "executor: spark\n") == (
+        f"{job}:12: executor: expected one of: local, ray, got 'spark'")
+    assert load_error(job_dir, GOOD_JOB + "ray:\n  num_workers: 0\n") == (
+        f"{job}:13: ray.num_workers: expected an integer >= 1, got 0")
+    assert load_error(job_dir, GOOD_JOB + "ray:\n  workers: 2\n").startswith(
+        f"{job}:13: ray.workers: unknown key; allowed: address, num_workers,")
+    assert load_error(job_dir, GOOD_JOB, {"executor": "ray", "ray.num_cpus_per_worker": -1}) == (
+        "command line: ray.num_cpus_per_worker: expected a number >= 0, got -1")
+
+
+def test_a_score_job_runs_locally_only():
+    score_job = Path(__file__).resolve().parent.parent / "jobs" / "score.yaml"
+    with pytest.raises(JobConfigError, match=r"command line: executor: executor: ray runs task: generate; "
+                                             r"a score job runs on one machine \(executor: local\)"):
+        load_job(score_job, {"executor": "ray"})
