@@ -3,12 +3,15 @@
     python scripts/bench.py                                   # CPU sizes, every workload and system
     python scripts/bench.py --device cuda --dtype bfloat16 --size gpu --model random-smollm2
     python scripts/bench.py --workloads shared-system,few-shot --skip-slow-baselines --repeats 1
+    python scripts/bench.py --systems batchgen --with-load        # quiet, then with a busy core
 
 Every system first runs a short warm-up, then the repetitions run interleaved across systems
 (rep 1 of every system, then rep 2, ...); walls are reported as median and minimum. Before any
 speed is trusted, each deterministic system's tokens are compared with batchgen's (greedy, any
 dtype; equal tokens are expected in float32): a mismatch is flagged in the table. The n-samples
 workload samples, so there only batchgen with and without caching (same seeds) are compared.
+With `--with-load` every system runs its repetitions again while another process spins one
+core, and the report gives each system's loaded / quiet output tok/s (`load_ratios`).
 
 Peak memory is the largest increase of this process's RSS over its value at the start of a run,
 sampled every few milliseconds (the model weights loaded before are not counted). batchgen's
@@ -19,12 +22,15 @@ configured `kv_cache_bytes`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -40,6 +46,7 @@ BLOCK_SIZE = 16
 KV_CACHE_BYTES = {"cpu": 2 * 2**30, "gpu": 32 * 2**30, "tiny": 64 * 2**20}  # per size; the pool of each system
 WARMUP_REQUESTS, WARMUP_TOKENS = 2, 4
 SLOW_BASELINES = ("hf-generate-b1",)
+LOAD_SUFFIX = " +load"  # the rows of runs made while another process spins a core (--with-load)
 
 
 class PeakRSS:
@@ -145,19 +152,19 @@ def summarize(name: str, workload: Workload, runs: list[dict], plan) -> dict:
     return row
 
 
-def bench_workload(workload: Workload, systems: list, repeats: int, device: torch.device) -> list[dict]:
-    """Warm up every system, run the interleaved repetitions, check tokens, return one row per system."""
+def bench_workload(workload: Workload, systems: list, repeats: int, device: torch.device,
+                   with_load: bool = False) -> list[dict]:
+    """Warm up every system, run the interleaved repetitions, check tokens, return one row per
+    system; `with_load`: the repetitions again while a busy process spins one core (rows named
+    "<system> +load")."""
     plan = plan_stats(workload, BLOCK_SIZE)
     warmup = workload.head(WARMUP_REQUESTS, WARMUP_TOKENS)
     for system in systems:
         run_once(system, warmup, device)
-    runs: dict[str, list[dict]] = {s.name: [] for s in systems}
-    for rep in range(repeats):
-        for system in systems:
-            run = run_once(system, workload, device)
-            runs[system.name].append(run)
-            outcome = run["error"] if "error" in run else f"{run['result'].wall_s:.2f} s"
-            print(f"  {workload.name} rep {rep + 1}/{repeats} {system.name}: {outcome}", file=sys.stderr, flush=True)
+    runs = interleaved_runs(workload, systems, repeats, device, "")
+    if with_load:
+        with busy_core():
+            runs |= interleaved_runs(workload, systems, repeats, device, LOAD_SUFFIX)
     rows = [summarize(name, workload, system_runs, plan) for name, system_runs in runs.items()]
     reference = reference_name(list(runs))
     ref_runs = runs.get(reference, [])
@@ -169,6 +176,43 @@ def bench_workload(workload: Workload, systems: list, repeats: int, device: torc
         else:
             row["tokens"] = "not compared (sampled)"
     return rows
+
+
+def interleaved_runs(workload: Workload, systems: list, repeats: int, device: torch.device,
+                     suffix: str) -> dict[str, list[dict]]:
+    """Rep 1 of every system, then rep 2, ...: the runs of each, keyed by its name + `suffix`."""
+    runs: dict[str, list[dict]] = {s.name + suffix: [] for s in systems}
+    for rep in range(repeats):
+        for system in systems:
+            run = run_once(system, workload, device)
+            runs[system.name + suffix].append(run)
+            outcome = run["error"] if "error" in run else f"{run['result'].wall_s:.2f} s"
+            print(f"  {workload.name} rep {rep + 1}/{repeats} {system.name}{suffix}: {outcome}", file=sys.stderr,
+                  flush=True)
+    return runs
+
+
+@contextlib.contextmanager
+def busy_core() -> Iterator[None]:
+    """Another process spinning one core for the duration (a laptop's or a shared server's other work)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def load_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per workload and system: output tok/s with a busy core over output tok/s on the quiet machine."""
+    speeds = {(r["workload"], r["system"]): r["output_tok_s"] for r in rows if "error" not in r}
+    ratios: dict[str, dict[str, float]] = {}
+    for (workload, name), loaded in speeds.items():
+        quiet = speeds.get((workload, name.removesuffix(LOAD_SUFFIX)))
+        if name.endswith(LOAD_SUFFIX) and quiet:
+            ratios.setdefault(workload, {})[name.removesuffix(LOAD_SUFFIX)] = loaded / quiet
+    return ratios
 
 
 def fmt(value, spec: str = ".2f", scale: float = 1.0) -> str:
@@ -265,6 +309,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="results.json")
     add_system_args(parser, padded_batch_sizes="8,32")
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
+    parser.add_argument("--with-load", action="store_true",
+                        help="run every system again while another process spins one core; report loaded / quiet")
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.systems = [s for s in args.systems.split(",") if s and not (args.skip_slow_baselines and s in SLOW_BASELINES)]
@@ -315,15 +361,17 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in args.workloads:
         workload = build_workload(name, args.size, vocab_size, low)
-        rows += bench_workload(workload, systems, args.repeats, device)
+        rows += bench_workload(workload, systems, args.repeats, device, args.with_load)
         report = save_report(args, device, kv_cache_bytes, rows)  # after each workload: a cut-off run keeps its rows
         print(f"\n{markdown_table(rows)}\n\n{ratios_table(report['ratios'])}\n", flush=True)
+        if report["load_ratios"]:
+            print(f"output tok/s with a busy core / quiet: {json.dumps(report['load_ratios'])}\n", flush=True)
     return report
 
 
 def save_report(args: argparse.Namespace, device: torch.device, kv_cache_bytes: int, rows: list[dict]) -> dict:
     report = {"machine": machine_info(device), "args": vars(args), "kv_cache_bytes": kv_cache_bytes,
-              "block_size": BLOCK_SIZE, "rows": rows, "ratios": speed_ratios(rows)}
+              "block_size": BLOCK_SIZE, "rows": rows, "ratios": speed_ratios(rows), "load_ratios": load_ratios(rows)}
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     return report
 

@@ -28,6 +28,7 @@ from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop_checker import StopChecker
+from batchgen.engine.thread_tuner import ThreadTuner
 from batchgen.models import eos_token_ids, max_context_len
 from batchgen.outputs import CompletionOutput, FinishReason, RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class LLMEngine:
         self._finished: list[RequestOutput] = []
         self.stats = EngineStats()
         self._update_pool_stats()
+        self.threads = ThreadTuner() if self.runner.device.type == "cpu" else None  # see thread_tuner
 
     @property
     def constraints(self) -> Constraints:
@@ -102,6 +104,8 @@ class LLMEngine:
         """Run one step; returns the requests that finished in it."""
         if self.scheduler.has_unfinished():
             self._run_step()
+        if self.threads is not None and not self.scheduler.has_unfinished():
+            self.threads.release()
         finished, self._finished = self._finished, []
         return finished
 
@@ -109,6 +113,17 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step.seqs:
             raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting sequence")
+        if self.threads is None:
+            self._compute_step(step)
+            return
+        num_tokens = sum(item.num_new_tokens for item in step.seqs)
+        self.threads.start_step(num_tokens)
+        started = time.perf_counter()
+        self._compute_step(step)
+        self.threads.end_step(time.perf_counter() - started, num_tokens)
+
+    def _compute_step(self, step) -> None:
+        """The scheduled step's forward pass, then its scoring, sampling and bookkeeping."""
         layout = [(item.seq, item.logprob_positions, item.is_sampling) for item in step.seqs]
         finishing = step.sampling_seqs
         sampling_seqs = [seq for seq in finishing if not seq.is_scoring]

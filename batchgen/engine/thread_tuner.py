@@ -1,0 +1,83 @@
+"""The CPU thread count, chosen by measuring steps: every core on a quiet machine, fewer on a busy one.
+
+A step's parallel regions end at barriers. When another process keeps a core busy, the OS
+deschedules one of the step's threads and every barrier waits for it. Measured on a 2-core AMD
+EPYC, the default model, 8 prompts x 32 tokens, with one process spinning a core: 2 threads took
+4.69 s in fp32 and 3.08 s in bf16, 1 thread 2.17 s and 1.47 s. On the quiet machine 2 threads
+took 1.46 s and 0.94 s, 1 thread 2.15 s and 1.32 s. No fixed count is right on both, so the
+engine measures.
+
+Every `TRIAL_PERIOD` steps a trial runs the current count and its neighbours (one fewer, one
+more up to the ceiling) for `TRIAL_STEPS` decode-only steps each, interleaved, and keeps the
+count with the least median seconds per scheduled token. While trials keep the count, the
+period doubles (trials cost a few steps at a worse count), up to `MAX_TRIAL_PERIOD`. Steps with prefill in them run at the
+chosen count and are not measured. The first trial starts after `FIRST_TRIAL_STEP` steps.
+
+Invariants:
+- The count stays within 1 .. the ceiling: torch's count when the tuner was made
+  (``OMP_NUM_THREADS`` or ``torch.set_num_threads`` set it). torch has a count other than the
+  ceiling only while the engine has work (`release` when it has none); a change costs ~0.1 ms,
+  so it is made only when the count changes.
+- Only the thread count changes. Tokens do not depend on it: torch's and oneDNN's CPU kernels
+  split work by rows and columns, not by the reduced dimension, and the attention kernel gives
+  each (sequence, head) to one thread (fp32 logprobs measured equal with 1 and 2 threads).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+TRIAL_PERIOD = 64  # steps at the chosen count after a trial that changed it
+MAX_TRIAL_PERIOD = 1024  # the period doubles up to this while trials keep the count
+TRIAL_STEPS = 4  # decode steps per candidate count in a trial
+FIRST_TRIAL_STEP = 8  # the first steps meet each kernel and shape for the first time: not a fair trial
+SIMILAR_TOKENS = 1.3  # steps whose token counts differ by less than this factor compare in a trial
+
+
+class ThreadTuner:
+    def __init__(self) -> None:
+        self.max_threads = torch.get_num_threads()
+        self.num_threads = self.max_threads
+        self._steps_to_trial = FIRST_TRIAL_STEP
+        self._period = TRIAL_PERIOD // 2  # the first trial that keeps the count doubles it to TRIAL_PERIOD
+        self._trial: list[int] = []  # the counts of the trial's steps still to run, in order
+        self._seconds_per_token: dict[int, list[float]] = {}
+        self._trial_tokens = 0  # the scheduled tokens of the trial's first step
+
+    def start_step(self, num_tokens: int) -> None:
+        """Set torch's thread count for the next step, of `num_tokens` scheduled tokens: a trial's
+        candidate, or the chosen count. A trial compares steps of about one size: a step more than
+        `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the trial again."""
+        due = not self._trial and self._steps_to_trial == 0 and self.max_threads > 1
+        if due or (self._trial and not _similar(num_tokens, self._trial_tokens)):
+            others = {max(1, self.num_threads - 1), min(self.max_threads, self.num_threads + 1)} - {self.num_threads}
+            candidates = [self.num_threads, *sorted(others)]  # the chosen count first: a restart costs nothing
+            self._trial = candidates * TRIAL_STEPS
+            self._trial_tokens = num_tokens
+            self._seconds_per_token = {count: [] for count in candidates}
+        threads = self._trial[0] if self._trial else self.num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+    def release(self) -> None:
+        """Give torch its ceiling back (the engine is idle: code outside a run sees the count it set)."""
+        if torch.get_num_threads() != self.max_threads:
+            torch.set_num_threads(self.max_threads)
+
+    def end_step(self, seconds: float, num_tokens: int) -> None:
+        """Record the step that `start_step` set up: its wall time and scheduled tokens."""
+        if not self._trial:
+            self._steps_to_trial = max(self._steps_to_trial - 1, 0)
+            return
+        self._seconds_per_token[self._trial.pop(0)].append(seconds / max(num_tokens, 1))
+        if not self._trial:
+            chosen = min(self._seconds_per_token, key=lambda count: statistics.median(self._seconds_per_token[count]))
+            self._period = min(2 * self._period, MAX_TRIAL_PERIOD) if chosen == self.num_threads else TRIAL_PERIOD
+            self.num_threads = chosen
+            self._steps_to_trial = self._period
+
+
+def _similar(num_tokens: int, reference: int) -> bool:
+    return max(num_tokens, reference) <= SIMILAR_TOKENS * max(min(num_tokens, reference), 1)

@@ -1,0 +1,64 @@
+"""The thread tuner: every core while that is fastest, fewer while another process is busy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engine.thread_tuner import FIRST_TRIAL_STEP, MAX_TRIAL_PERIOD, TRIAL_PERIOD, ThreadTuner
+
+
+@pytest.fixture
+def four_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_steps(tuner: ThreadTuner, num_steps: int, seconds_at: dict[int, float], sizes: tuple[int, ...] = (32,)
+              ) -> list[int]:
+    """Steps of `sizes` tokens in turn, whose seconds per token depend on the thread count; the counts they ran at."""
+    counts = []
+    for step in range(num_steps):
+        num_tokens = sizes[step % len(sizes)]
+        tuner.start_step(num_tokens)
+        counts.append(torch.get_num_threads())
+        tuner.end_step(seconds_at[counts[-1]] * num_tokens, num_tokens)
+    return counts
+
+
+def test_a_quiet_machine_keeps_every_thread(four_threads):
+    tuner = ThreadTuner()
+    counts = run_steps(tuner, 200, {3: 1.3, 4: 1.0})
+    assert tuner.num_threads == 4 and counts[:FIRST_TRIAL_STEP] == [4] * FIRST_TRIAL_STEP
+    assert counts.count(3) <= 8  # two trials in 200 steps, the period doubling after each
+
+
+def test_a_busy_core_moves_it_down_one_thread_per_trial_and_back_when_the_load_goes(four_threads):
+    tuner = ThreadTuner()
+    busy = {1: 3.0, 2: 1.6, 3: 4.0, 4: 5.0}  # another process keeps two cores busy: 2 threads are best
+    run_steps(tuner, FIRST_TRIAL_STEP + 12 + TRIAL_PERIOD + 12, busy)
+    assert tuner.num_threads == 2
+    run_steps(tuner, 4 * TRIAL_PERIOD, busy)
+    assert tuner.num_threads == 2
+    run_steps(tuner, 3 * MAX_TRIAL_PERIOD, {1: 3.0, 2: 1.6, 3: 1.2, 4: 1.0})  # quiet again
+    assert tuner.num_threads == 4
+
+
+def test_a_trial_compares_steps_of_one_size_only(four_threads):
+    tuner = ThreadTuner()
+    counts = run_steps(tuner, FIRST_TRIAL_STEP + 50, {3: 0.1, 4: 1.0}, sizes=(2048, 32))
+    assert set(counts) == {4} and tuner.num_threads == 4  # each step of the other size restarts the trial
+    run_steps(tuner, 12, {3: 0.1, 4: 1.0}, sizes=(40, 36))  # close enough: the trial completes
+    assert tuner.num_threads == 3
+
+
+def test_release_gives_torch_its_count_back(four_threads):
+    tuner = ThreadTuner()
+    run_steps(tuner, FIRST_TRIAL_STEP + 12, {3: 1.0, 4: 2.0})
+    assert tuner.num_threads == 3 and torch.get_num_threads() == 3
+    tuner.release()
+    assert torch.get_num_threads() == 4
+    tuner.start_step(True)
+    assert torch.get_num_threads() == 3
