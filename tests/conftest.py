@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -74,3 +76,14 @@ def default_llm():
     from batchgen import LLM
 
     return LLM(dtype="float32", device="cpu", kv_cache_memory="1GiB")
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch's CPU thread count set to `num_threads` for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -20,14 +20,14 @@ import profile_workload  # noqa: E402
 import roofline  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
 
+from tests.conftest import torch_threads  # noqa: E402
+
 
 @pytest.fixture
 def one_thread():
     """Tiny models run fastest on one thread (and a busy machine makes extra threads costly)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+    with torch_threads(1):
+        yield
 
 
 def test_workloads_are_reproducible_and_avoid_low_ids():
@@ -72,6 +72,15 @@ def test_bench_tiny_runs_systems_and_checks_tokens(tmp_path, one_thread):
     assert samples["num_computed_prompt_tokens"] == samples["num_prompt_tokens"]  # once per prompt, not per sample
     assert rows["n-samples", "hf-generate-b1"]["num_computed_prompt_tokens"] == 8 * samples["num_prompt_tokens"]
     assert rows["n-samples", "batchgen-nocache"]["tokens"]["num_mismatched"] == 0
+
+
+def test_bench_with_load_runs_each_system_again_beside_a_busy_core(tmp_path, one_thread):
+    report = bench.main(["--model", "random-tiny", "--size", "tiny", "--repeats", "1", "--out", str(tmp_path / "r.json"),
+                         "--workloads", "long-out", "--systems", "batchgen", "--with-load"])
+    rows = {r["system"]: r for r in report["rows"]}
+    assert rows.keys() == {"batchgen", "batchgen +load"} and rows["batchgen +load"]["tokens"]["num_mismatched"] == 0
+    ratio = report["load_ratios"]["long-out"]["batchgen"]
+    assert ratio == pytest.approx(rows["batchgen +load"]["output_tok_s"] / rows["batchgen"]["output_tok_s"])
 
 
 def test_roofline_tiny_reports_bounds(tmp_path, one_thread):

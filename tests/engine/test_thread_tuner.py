@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from batchgen.engine.thread_tuner import FIRST_TRIAL_STEP, MAX_TRIAL_PERIOD, TRIAL_PERIOD, ThreadTuner
+from tests.conftest import torch_threads
 
 
 @pytest.fixture
 def four_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(4):
+        yield
 
 
 def run_steps(tuner: ThreadTuner, num_steps: int, seconds_at: dict[int, float], sizes: tuple[int, ...] = (32,)
