@@ -193,7 +193,8 @@ def key_lines(job_path: Path, node: yaml.Node | None, prefix: str = "") -> dict[
     return lines
 
 
-TOP_KEYS = ("model", "engine", "input", "sampling", "output", "ray", "task", "executor")
+SECTION_KEYS = ("engine", "input", "sampling", "output", "ray")
+TOP_KEYS = ("model", *SECTION_KEYS, "task", "executor")
 TASKS = ("generate", "score")
 EXECUTORS = ("local", "ray")
 
@@ -218,7 +219,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     _apply_overrides(raw, lines, overrides or {})
     locate = lambda key, message: _locate(job_path, lines, key, message)  # noqa: E731
     _refuse_unknown(locate, "", raw, TOP_KEYS)
-    sections = {name: _section(locate, name, raw.get(name)) for name in TOP_KEYS[1:6]}
+    sections = {name: _section(locate, name, raw.get(name)) for name in SECTION_KEYS}
     config = JobConfig(
         job_path=job_path,
         model=_model(locate, raw.get("model"), job_path.parent),

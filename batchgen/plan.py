@@ -25,7 +25,7 @@ from batchgen.engine import constraints
 from batchgen.engine.block_hash import BlockHash, hash_blocks
 from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.outputs import RequestOutput
-from batchgen.prompts import encode_batch, encode_prompt
+from batchgen.prompts import encode_batch, encode_prompt, is_messages
 from batchgen.scoring import encode_pair
 from batchgen.sampling_params import SamplingParams
 
@@ -165,7 +165,7 @@ def _tokenizer_ids_fit(tokenizer: Any, vocab_size: int) -> bool:
 
 def _is_tokenized(prompt: Any) -> bool:
     """Whether the prompt's ids come from the tokenizer (text or chat messages), not from the caller."""
-    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict))
+    return isinstance(prompt, str) or is_messages(prompt)
 
 
 def _check_prompt_tokens(token_ids: list[int], max_prompt_len: int, vocab_size: int | None) -> None:

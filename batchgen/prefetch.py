@@ -4,7 +4,7 @@ The job's plan pass reads and encodes the next batch of rows (the tokenizer's ba
 outside the GIL) while the main thread checks, hashes and stores the current one.
 
 Invariants:
-- Items come out in order, each once; at most `depth` items wait between the two threads.
+- Items come out in order, each once; at most one item waits between the two threads.
 - An exception raised by the iteration is raised in the consumer, at the item it stopped at.
 - When the consumer stops early (an error, an interrupt, `close()`), the thread ends after the
   item it is computing; no thread outlives the generator.
@@ -21,9 +21,9 @@ T = TypeVar("T")
 _POLL_S = 0.1
 
 
-def prefetched(items: Iterable[T], depth: int = 1) -> Iterator[T]:
-    """Yield `items` in order while a background thread computes up to `depth` of them ahead."""
-    handoff: queue.Queue = queue.Queue(maxsize=depth)
+def prefetched(items: Iterable[T]) -> Iterator[T]:
+    """Yield `items` in order while a background thread computes the next one."""
+    handoff: queue.Queue = queue.Queue(maxsize=1)
     stopped = threading.Event()
     end = object()
 

@@ -33,7 +33,7 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     """Token ids of ``prompt`` (see the module docstring); ``ValueError`` for malformed input."""
     if isinstance(prompt, str):
         token_ids = _encode_text(tokenizer, prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(item, dict) for item in prompt):
+    elif is_messages(prompt):
         token_ids = _encode_messages(tokenizer, check_messages(prompt))
     elif isinstance(prompt, list) and prompt and all(_is_token_id(item) for item in prompt):
         token_ids = list(prompt)
@@ -103,9 +103,14 @@ def _encode_chats(tokenizer: Any, chats: list[tuple[int, list[dict]]]) -> tuple[
                          add_special_tokens=False)
 
 
+def is_messages(prompt: Any) -> bool:
+    """Whether `prompt` is a list of chat messages (dicts; `check_messages` checks their content)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(item, dict) for item in prompt)
+
+
 def _checked_chat(prompt: Any) -> list[dict] | None:
     """The prompt's checked messages, or None when it is not a valid list of messages."""
-    if not (isinstance(prompt, list) and prompt and all(isinstance(item, dict) for item in prompt)):
+    if not is_messages(prompt):
         return None
     try:
         return check_messages(prompt)

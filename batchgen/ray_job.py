@@ -68,21 +68,20 @@ def num_partitions(config: JobConfig, num_rows: int) -> int:
     return max(config.ray.num_workers, math.ceil(num_rows / config.ray.max_rows_per_partition))
 
 
-def plan_partitions(plan: JobPlan, config: JobConfig) -> list[np.ndarray]:
-    """Each partition's store positions in run order (see `partitions`; a row's cost counts the
-    job's max_tokens x n as its generated tokens). A partition may be empty (fewer groups than partitions)."""
+def plan_partitions(plan: JobPlan, config: JobConfig) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the partition of each store position, each partition's store positions in run order); see
+    `partitions`: a row's cost counts the job's max_tokens x n as its generated tokens. A partition
+    may be empty (fewer groups than partitions)."""
     params = plan.job_params
     costs = request_costs(plan.tree, np.full(len(plan.order), params.max_tokens * params.n, np.int64))
     num_parts = num_partitions(config, len(plan.order))
-    return partition_orders(plan.tree, partition(plan.tree, costs, num_parts), num_parts)
+    parts = partition(plan.tree, costs, num_parts)
+    return parts, partition_orders(plan.tree, parts, num_parts)
 
 
 def partition_reports(plan: JobPlan, config: JobConfig) -> list[PartitionReport]:
     """Rows, prompt tokens and tokens to prefill of each partition, each with a prefix cache of its own."""
-    orders = plan_partitions(plan, config)
-    parts = np.empty(len(plan.order), np.int64)
-    for number, order in enumerate(orders):
-        parts[order] = number
+    parts, orders = plan_partitions(plan, config)
     tokens, cached = plan.tree.num_tokens(), plan.tree.cached_tokens(parts)
     return [PartitionReport(len(order), int(tokens[order].sum()), int((tokens[order] - cached[order]).sum()))
             for order in orders]
@@ -128,7 +127,7 @@ def _partition_dataset(ray: Any, plan: JobPlan, config: JobConfig, writer: Shard
     """A Ray dataset of one block per partition (each put in Ray's object store as it is built),
     and each partition's number of input rows by key."""
     refs, num_rows = [], {}
-    for order in plan_partitions(plan, config):
+    for order in plan_partitions(plan, config)[1]:
         if len(order):
             block = _partition_block(plan, order, writer.fingerprint, writer.schema)
             num_rows[block.column(PARTITION)[0].as_py()] = block.num_rows
@@ -196,14 +195,16 @@ def _whole_partitions(outputs: Iterator[pa.Table], num_rows: dict[str, int]) -> 
     """(key, its whole output) per partition, once the output of each of its `num_rows[key]`
     input rows is back (Ray may split a block's output on the way)."""
     pieces: dict[str, list[pa.Table]] = {}
+    rows_back: dict[str, set[int]] = {}
     for table in outputs:
         keys = table.column(PARTITION)
         for key in pc.unique(keys).to_pylist():
-            pieces.setdefault(key, []).append(table.filter(pc.equal(keys, key)))
-            whole = pa.concat_tables(pieces[key])
-            if len(pc.unique(whole.column(ROW_INDEX))) == num_rows[key]:
-                del pieces[key]
-                yield key, whole
+            piece = table.filter(pc.equal(keys, key))
+            pieces.setdefault(key, []).append(piece)
+            rows_back.setdefault(key, set()).update(piece.column(ROW_INDEX).to_pylist())
+            if len(rows_back[key]) == num_rows[key]:
+                del rows_back[key]
+                yield key, pa.concat_tables(pieces.pop(key))
 
 
 def _count(rows: list[dict], counts: Counter, stats: EngineStats) -> None:

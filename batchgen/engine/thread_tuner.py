@@ -8,10 +8,12 @@ took 1.46 s and 0.94 s, 1 thread 2.15 s and 1.32 s. No fixed count is right on b
 engine measures.
 
 Every `TRIAL_PERIOD` steps a trial runs the current count and its neighbours (one fewer, one
-more up to the ceiling) for `TRIAL_STEPS` decode-only steps each, interleaved, and keeps the
-count with the least median seconds per scheduled token. While trials keep the count, the
-period doubles (trials cost a few steps at a worse count), up to `MAX_TRIAL_PERIOD`. Steps with prefill in them run at the
-chosen count and are not measured. The first trial starts after `FIRST_TRIAL_STEP` steps.
+more up to the ceiling) for `TRIAL_STEPS` steps each, interleaved, on steps of about one size
+(a step more than `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the
+trial again: a prefill chunk costs far less per token than a decode step), and keeps the count
+with the least median seconds per scheduled token. While trials keep the count, the period
+doubles (trials cost a few steps at a worse count), up to `MAX_TRIAL_PERIOD`. The first trial
+starts after `FIRST_TRIAL_STEP` steps.
 
 Invariants:
 - The count stays within 1 .. the ceiling: torch's count when the tuner was made

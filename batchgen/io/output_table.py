@@ -69,8 +69,8 @@ def _timing_column(name: str) -> OutputColumn:
 
 
 KEY_COLUMNS = (
-    OutputColumn(ROW_INDEX, pa.int64(), False, lambda sample: sample.row.index),
-    OutputColumn("id", pa.string(), False, lambda sample: sample.row.id),
+    OutputColumn(ROW_INDEX, pa.int64(), False, lambda scored: scored.row.index),  # read from a ScoredRow
+    OutputColumn("id", pa.string(), False, lambda scored: scored.row.id),
 )
 SAMPLE_INDEX_COLUMN = OutputColumn(SAMPLE_INDEX, pa.int32(), False, lambda sample: sample.completion.index)
 RESULT_COLUMNS = (
@@ -177,16 +177,18 @@ def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool,
 
 def sample_fields(with_sample_index: bool, json_type: pa.DataType | None = None) -> list[pa.Field]:
     """The fields of `sample_values`: what an output row holds after its key and carried columns."""
-    sample_columns = [SAMPLE_INDEX_COLUMN] if with_sample_index else []
-    return [column.field for column in (*sample_columns, *_result_columns(json_type))]
+    return [column.field for column in _sample_columns(with_sample_index, json_type)]
 
 
 def sample_values(output: RequestOutput, with_sample_index: bool, json_type: pa.DataType | None = None) -> list[dict]:
     """Per sample of `output`: its sample_index (when asked) and its result columns."""
-    columns = [SAMPLE_INDEX_COLUMN] if with_sample_index else []
-    columns += _result_columns(json_type)
-    return [{column.name: column.read(Sample(output, completion)) for column in columns}
-            for completion in output.outputs]
+    columns = _sample_columns(with_sample_index, json_type)
+    samples = [Sample(output, completion) for completion in output.outputs]  # one each: its timing is computed once
+    return [{column.name: column.read(sample) for column in columns} for sample in samples]
+
+
+def _sample_columns(with_sample_index: bool, json_type: pa.DataType | None) -> tuple[OutputColumn, ...]:
+    return ((SAMPLE_INDEX_COLUMN,) if with_sample_index else ()) + _result_columns(json_type)
 
 
 @dataclass

@@ -231,14 +231,17 @@ def iter_rows(source: InputSource, spec: Any, limit: int | None = None, override
     overrides = overrides or {}
     columns = _used_columns(spec, overrides)
     index = 0
+    if limit == 0:
+        return
     for records in source.record_batches(columns, batch_rows):
         if limit is not None:
             records = records[: limit - index]
-        if not records:
-            return
-        yield [_make_row(index + offset, record, spec, overrides, source.json_columns, columns)
-               for offset, record in enumerate(records)]
+        if records:
+            yield [_make_row(index + offset, record, spec, overrides, source.json_columns, columns)
+                   for offset, record in enumerate(records)]
         index += len(records)
+        if index == limit:  # the next batch is not read
+            return
 
 
 def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], json_columns: set[str],
