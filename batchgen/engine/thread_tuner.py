@@ -2,7 +2,8 @@
 
 A step's parallel regions end at barriers. When another process keeps a core busy, the OS
 deschedules one of the step's threads and every barrier waits for it. Measured on a 2-core AMD
-EPYC, the default model, 8 prompts x 32 tokens, with one process spinning a core: 2 threads took
+EPYC (`python scripts/bench_threads.py --fixed --threads N [--load] --dtype D`: the default
+model, 8 prompts x 32 tokens), with one process spinning a core: 2 threads took
 4.69 s in fp32 and 3.08 s in bf16, 1 thread 2.17 s and 1.47 s. On the quiet machine 2 threads
 took 1.46 s and 0.94 s, 1 thread 2.15 s and 1.32 s. No fixed count is right on both, so the
 engine measures.
