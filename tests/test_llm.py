@@ -31,12 +31,15 @@ def run_workload(llm: LLM, workload):
     return llm.generate(prompts, [greedy(max_tokens) for _, max_tokens in workload], use_tqdm=False)
 
 
-@pytest.mark.parametrize(("backend", "pack"), [("native", True), ("native", False), ("reference", False)])
+@pytest.mark.parametrize(("backend", "fused", "pack"),
+                         [("native", True, False), ("reference", True, False), ("native", False, True),
+                          ("native", False, False), ("reference", False, False)])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_equals_transformers_generate(family, backend, pack):
+def test_greedy_equals_transformers_generate(family, backend, fused, pack):
     model, workload, expected = model_and_oracle(family)
     llm = LLM(model, tokenizer=tiny_tokenizer(), attention_backend=backend, max_num_batched_tokens=256,
-              pack_linear_weights=pack)
+              fused_step=fused, pack_linear_weights=pack)
+    assert (llm.engine.runner.fused is not None) == fused
     assert (llm.engine.runner.linears is not None) == pack
     outputs = run_workload(llm, workload)
     assert [o.token_ids for o in outputs] == expected

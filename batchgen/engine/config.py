@@ -32,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, true_or_false)
     attention_backend: str = option("auto", one_of(*ATTENTION_BACKENDS))
     pack_linear_weights: bool = option(True, true_or_false)
+    fused_step: bool = option(True, true_or_false)
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -2,7 +2,8 @@
 
 Invariants:
 - One forward pass per step over all scheduled tokens, batch dimension 1, no padding:
-  decode sequences (one new token) first, then prefill chunks.
+  decode sequences (one new token) first, then prefill chunks. The pass is the fused CPU
+  step (`FusedDecoder`) where it applies and `fused_step` is on, else transformers' forward.
 - Token t's position id is its index in its sequence; its K/V go to the slot given by the
   sequence's block table.
 - Logits are computed only for the last token of sequences that sample after this step, and
@@ -21,6 +22,7 @@ import psutil
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.step import ScheduledStep
 from batchgen.models import kv_bytes_per_token, kv_cache_shape
 from batchgen.kernels.attention import (AttentionMetadata, AttentionStep, make_backend, register,
@@ -61,7 +63,8 @@ class ModelRunner:
         self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         self.backend = make_backend(config.attention_backend, self.device)
         model.set_attn_implementation(register())
-        self.linears = PackedLinears.pack(model) if config.pack_linear_weights else None
+        self.fused = FusedDecoder.build(model) if config.fused_step else None
+        self.linears = PackedLinears.pack(model) if config.pack_linear_weights and self.fused is None else None
 
     def _num_blocks(self, config: EngineConfig) -> int:
         """Blocks in the pool: `kv_cache_memory` bytes, else a share of the device's free memory."""
@@ -96,6 +99,8 @@ class ModelRunner:
         self._copy_blocks(step.block_copies)
         input_ids, positions, metadata, logit_indices = self._prepare(step)
         attention_step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
+        if self.fused is not None:
+            return self.fused.forward(input_ids, positions, attention_step, logit_indices)
         with self.linears or contextlib.nullcontext():
             output = self.model(
                 input_ids=input_ids[None],

@@ -102,7 +102,8 @@ class AttentionBackend:
     shares_prefixes = False  # whether forward() uses metadata.decode_groups
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Write the attention of every query row of ``q`` ([T, H, D]) into ``out`` (same shape)."""
         raise NotImplementedError
 
 
@@ -177,14 +178,12 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        out = torch.empty_like(q)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
         for s, (start, end) in enumerate(zip(meta.query_start_loc[:-1], meta.query_start_loc[1:])):
             slots = context_slots(meta.block_tables_list[s], meta.context_lens_list[s], meta.block_size, q.device)
             out[start:end] = attend_one_sequence(q[start:end], flat_k[slots], flat_v[slots], scale)
-        return out
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,7 +212,8 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
         k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
         write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        out = step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale)
+        out = torch.empty_like(q)
+        step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale, out)
     return out.unsqueeze(0), None
 
 
@@ -250,8 +250,7 @@ class NativeBackend(AttentionBackend):
         self.decode = decode
         self.shares_prefixes = shares_prefixes
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        out = torch.empty_like(q)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         num_decode = meta.num_decode_seqs
         if num_decode:
             extra = {"groups": meta.decode_groups} if meta.decode_groups is not None else {}
@@ -274,7 +273,6 @@ class NativeBackend(AttentionBackend):
                 slots = context_slots(meta.block_tables_list[s], num_context, meta.block_size, q.device)
                 keys, values = flat_k[slots], flat_v[slots]
             out[start:end] = prefill_sdpa(q[start:end], keys, values, scale)
-        return out
 
 
 def attend_prefill_batch(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, batch: PrefillBatch,

@@ -1,45 +1,24 @@
-"""Fast CPU paged-attention decode: a small C kernel built at first use.
-
-``csrc/paged_attention.c`` is compiled with the system C compiler (``gcc``,
-else ``cc``; the ``BATCHGEN_CC`` environment variable names another) into
-``$BATCHGEN_CACHE_DIR/kernels/<key>.so`` (default cache dir
-``~/.cache/batchgen``), where the key hashes the source, the compiler, its
-flags and the machine. The build is atomic (temporary file, then rename), so
-concurrent processes never load a half-written library.
+"""Fast CPU paged-attention decode: ``csrc/paged_attention.c``, built at first use by
+``c_library`` (cached per source, compiler and machine).
 
 Invariants:
 - ``is_available()`` never raises: without a compiler, or when the build or
   load fails, it is False and the engine uses its torch backend.
 - The kernel reads K/V in place from the paged cache (no gather), computes in
   float32 with an online softmax and writes every element of its output.
-- It runs on ``torch.get_num_threads()`` OpenMP threads; torch ships its own
-  ``libgomp.so.1`` and the kernel binds to that already-loaded runtime, so
-  both share one thread pool.
+- It runs on ``torch.get_num_threads()`` OpenMP threads, sharing torch's pool.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from batchgen.kernels.c_library import load_library
 from batchgen.kernels.decode_inputs import check_decode_inputs
-
-logger = logging.getLogger(__name__)
-
-SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-strict-aliasing")
-COMPILE_TIMEOUT_S = 120
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATUS_MESSAGES = {
@@ -54,66 +33,11 @@ _ARGTYPES = (
 )
 
 
-def _find_compiler() -> str | None:
-    """Path of the C compiler to use, or None when there is none."""
-    names = [os.environ["BATCHGEN_CC"]] if os.environ.get("BATCHGEN_CC") else ["gcc", "cc"]
-    for name in names:
-        path = shutil.which(name)
-        if path is not None:
-            return path
-    return None
-
-
-def _machine_id() -> str:
-    """The CPU model and feature flags (``-march=native`` depends on them)."""
-    parts = [platform.machine(), platform.system()]
-    try:
-        with open("/proc/cpuinfo") as f:
-            parts += [line for line in f.read().splitlines() if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        parts.append(platform.processor())
-    return "\n".join(parts)
-
-
-def _library_path(compiler: str, source: bytes) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256()
-    for part in (source, compiler.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode(), _machine_id().encode()):
-        key.update(part + b"\0")
-    cache_dir = Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
-    return cache_dir / "kernels" / f"paged_attention-{key.hexdigest()[:24]}.so"
-
-
-def _compile(compiler: str, target: Path) -> None:
-    """Build the library into ``target`` atomically; raises on failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
-    os.close(fd)
-    try:
-        command = [compiler, *COMPILE_FLAGS, "-o", tmp_name, str(SOURCE_PATH), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
-        os.replace(tmp_name, target)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-
-
 @functools.cache
 def _load_kernel() -> tuple[Callable[..., int], bool] | None:
     """The kernel entry point and whether it supports float16, or None if unavailable."""
-    compiler = _find_compiler()
-    if compiler is None:
-        logger.info("no C compiler found; the CPU paged-attention kernel is unavailable")
-        return None
-    try:
-        target = _library_path(compiler, SOURCE_PATH.read_bytes())
-        if not target.exists():
-            _compile(compiler, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("CPU paged-attention kernel unavailable: %s", error)
+    library = load_library("paged_attention.c")
+    if library is None:
         return None
     function = library.bg_paged_decode_attention
     function.argtypes = _ARGTYPES

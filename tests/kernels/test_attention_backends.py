@@ -51,10 +51,12 @@ def test_short_prefill_chunks_in_one_padded_call_match_the_reference(monkeypatch
     q, k_cache, v_cache, meta = mixed_step(query_lens, context_lens, num_decode=2)
     assert meta.short_prefill.seqs == [2, 3, 4, 5]
     scale = 0.3
-    expected = ReferenceBackend().forward(q, None, None, k_cache, v_cache, meta, scale)
+    expected = torch.empty_like(q)
+    ReferenceBackend().forward(q, None, None, k_cache, v_cache, meta, scale, expected)
     new_k = k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mapping]  # the new tokens' K/V, already in the pool
     new_v = v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping]
-    got = NativeBackend(gather_decode).forward(q, new_k, new_v, k_cache, v_cache, meta, scale)
+    got = torch.empty_like(q)
+    NativeBackend(gather_decode).forward(q, new_k, new_v, k_cache, v_cache, meta, scale, got)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

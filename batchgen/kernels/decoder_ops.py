@@ -1,0 +1,72 @@
+"""The fused elementwise ops of a decoder step on CPU: ``csrc/decoder_ops.c`` through ctypes.
+
+Each function works on contiguous CPU tensors of float32 or bfloat16, all of one dtype, and
+runs on ``torch.get_num_threads()`` OpenMP threads for large calls (one thread for a decode
+step's few rows). ``is_available()`` is False without a C compiler or when the build fails;
+callers then keep transformers' own forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from batchgen.kernels.c_library import load_library
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "bg_add_rms_norm": [_POINTER] * 4 + [_INT, _INT, _FLOAT, _INT, _INT],
+    "bg_rope_write_kv": [_POINTER] * 8 + [_INT] * 6,
+    "bg_silu_mul": [_POINTER] * 2 + [_INT] * 4,
+}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    # no FMA contraction: float32 results then round like transformers' separate tensor ops
+    library = load_library("decoder_ops.c", ("-ffp-contract=off",))
+    if library is not None:
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, None
+    return library
+
+
+def is_available() -> bool:
+    return _library() is not None
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def add_rms_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> None:
+    """``residual += x`` (when ``x`` is given), then ``out = weight * rmsnorm(residual)``; rows of
+    width ``weight.numel()``."""
+    hidden = weight.numel()
+    _library().bg_add_rms_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(),
+                               residual.numel() // hidden, hidden, eps, DTYPE_CODES[residual.dtype],
+                               torch.get_num_threads())
+
+
+def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotary embeddings for the first ``len(slots)`` rows of a fused q|k|v projection: rotated
+    q into ``q_out`` [T, H, D], rotated k into ``k_out`` [T, Hkv, D], and k, v stored at their
+    slots of the pool ([num_blocks, block_size, Hkv, D]); ``cos``/``sin`` are [T, D]."""
+    num_tokens, num_heads, head_dim = q_out.shape[0], q_out.shape[1], q_out.shape[2]
+    _library().bg_rope_write_kv(q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), len(slots),
+                                num_heads, k_cache.shape[2], head_dim, DTYPE_CODES[qkv.dtype],
+                                torch.get_num_threads())
+
+
+def silu_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """``out = silu(gate) * up`` where ``gate_up`` rows are gate then up (each ``out``'s width)."""
+    width = out.shape[-1]
+    _library().bg_silu_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
+                           DTYPE_CODES[out.dtype], torch.get_num_threads())

@@ -1,0 +1,78 @@
+"""The fused CPU step against transformers' forward on the same pool: float32 equal up to GEMM
+rounding; bfloat16 no further from float32 than transformers' own bfloat16 forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.fused_decoder import FusedDecoder
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.step import ScheduledSeq, ScheduledStep
+from batchgen.kernels import decoder_ops
+from batchgen.sampling_params import SamplingParams
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(not decoder_ops.is_available() or not torch.backends.mkldnn.is_available(),
+                                reason="no C compiler or oneDNN")
+BLOCK_SIZE = 16
+PROMPT_LENS = [37, 5, 16, 70]
+
+
+def step_logits(model, fused: bool) -> torch.Tensor:
+    """Logits of a prefill step of four prompts, then of a decode step of all four (one more token
+    each), on a fresh pool; rows of both steps concatenated."""
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, fused_step=fused))
+    assert (runner.fused is not None) == fused
+    seqs, next_block = [], 0
+    for index, length in enumerate(PROMPT_LENS):
+        seq = Sequence(index, [(7 * index + 3 * i) % 500 + 2 for i in range(length)], SamplingParams(), 0.0)
+        num_blocks = length // BLOCK_SIZE + 1
+        seq.block_table = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        seqs.append(seq)
+    prefill = runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq)) for seq in seqs]))
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq)
+        seq.token_ids.append(11)
+    decode = runner.execute(ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs]))
+    return torch.cat([prefill, decode])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_float32_fused_step_equals_the_transformers_forward(family):
+    model = tiny_model(family)
+    expected = step_logits(model, fused=False)
+    got = step_logits(model, fused=True)
+    assert got.shape == (2 * len(PROMPT_LENS), model.config.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_fused_step_is_as_close_to_float32_as_transformers_bfloat16(family):
+    model = tiny_model(family)
+    reference = step_logits(model, fused=False)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    transformers_error = (step_logits(bf16_model, fused=False) - reference).abs().max()
+    fused_error = (step_logits(bf16_model, fused=True) - reference).abs().max()
+    # the stated tolerance: at most 1.5x transformers' own bfloat16 error, and 2% of the logits' range
+    assert fused_error <= 1.5 * transformers_error
+    assert fused_error <= 0.02 * (reference.max() - reference.min())
+
+
+def test_build_leaves_the_model_untouched_and_refuses_what_it_cannot_run():
+    model = tiny_model()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    assert FusedDecoder.build(model) is not None
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+    assert FusedDecoder.build(copy.deepcopy(model).to(torch.float16)) is None
+    gelu = tiny_model()
+    gelu.config.hidden_act = "gelu"
+    assert FusedDecoder.build(gelu) is None
+    other = tiny_model()
+    other.config.model_type = "gemma"
+    assert FusedDecoder.build(other) is None
