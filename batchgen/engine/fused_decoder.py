@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import decoder_ops
-from batchgen.kernels.attention import AttentionStep
+from batchgen.kernels.attention import AttentionStep, profiler_span
 from batchgen.kernels.cpu_linear import ROW_BUCKET
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -126,10 +126,12 @@ class FusedDecoder:
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             k_cache, v_cache = step.k_caches[index], step.v_caches[index]
             qkv = linear(normed, layer.qkv)
-            decoder_ops.rope_write_kv(heads, keys, k_cache, v_cache, qkv, cos[0], sin[0], step.metadata.slot_mapping)
-            values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
-            step.backend.forward(heads[:num_tokens], keys, values, k_cache, v_cache, step.metadata, self.scale,
-                                 attended[:num_tokens])
+            with profiler_span():
+                decoder_ops.rope_write_kv(heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
+                                          step.metadata.slot_mapping)
+                values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
+                step.backend.forward(heads[:num_tokens], keys, values, k_cache, v_cache, step.metadata, self.scale,
+                                     attended[:num_tokens])
             decoder_ops.add_rms_norm(normed, residual, linear(attended.view(num_rows, -1), layer.o), layer.post_norm,
                                      self.eps)
             gate_up = linear(normed, layer.gate_up)

@@ -2,8 +2,8 @@
 
 A source is compiled with the system C compiler (``gcc``, else ``cc``; the ``BATCHGEN_CC``
 environment variable names another) into ``$BATCHGEN_CACHE_DIR/kernels/<name>-<key>.so``
-(default cache dir ``~/.cache/batchgen``), where the key hashes the source, the compiler, its
-flags and the machine (``-march=native`` depends on the CPU).
+(default cache dir ``~/.cache/batchgen``), where the key hashes the source and every header
+of ``csrc/``, the compiler, its flags and the machine (``-march=native`` depends on the CPU).
 
 Invariants:
 - ``load_library`` never raises for a missing compiler or a failed build or load: it logs why
@@ -57,7 +57,8 @@ def _machine_id() -> str:
 def _library_path(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), version.encode(), " ".join(flags).encode(),
+    headers = [header.read_bytes() for header in sorted(CSRC_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, compiler.encode(), version.encode(), " ".join(flags).encode(),
                  _machine_id().encode()):
         key.update(part + b"\0")
     cache_dir = Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")

@@ -14,13 +14,12 @@
  * Work is split over (sequence, kv head) pairs. A pair handles every query
  * head of its group at once, so each K and V row is read from memory once.
  *
- * Shared prefixes (cascade attention): `groups` lists runs of consecutive
- * sequences [first, end) whose first `prefix` tokens are the same blocks.
- * Phase 1 reads each group's prefix once per kv head for the queries of all
- * its sequences and keeps the online-softmax state (max, sum, accumulator)
- * of every query; phase 2 starts each sequence from that state and reads
- * only its own tokens. The result is the same attention, with the prefix's
- * K and V read once per group instead of once per sequence.
+ * Shared prefixes (cascade attention): the caller computes, for each query
+ * head of a sequence whose first `prefix_lens[s]` tokens are shared with
+ * other sequences, the online-softmax state (max, sum, accumulator) over
+ * that prefix (one matrix product per group: the prefix's K and V are read
+ * once for all its sequences). The kernel starts such a sequence from that
+ * state and reads only its own tokens. The result is the same attention.
  * Math is float32 with an online softmax: scores are computed for a chunk of
  * tokens, then the running max, running sum and accumulators are updated
  * once per chunk. Every output element is written, or an error is returned.
@@ -29,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vector_math.h"
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 enum {
@@ -41,6 +42,9 @@ enum {
 };
 
 #define CHUNK_TOKENS 64
+/* The AVX-512 path (float32 / bfloat16, head_dim a multiple of 32) keeps this many query
+ * heads' accumulators in registers at once. */
+#define MAX_VECTOR_GROUP 8
 /* Below this many (token, kv head) pairs, waking more threads costs more than it saves. */
 #define MIN_PARALLEL_WORK 4096
 
@@ -54,10 +58,8 @@ typedef struct {
     int num_seqs, num_heads, num_kv_heads, head_dim;
     int num_blocks, block_size, max_blocks, dtype;
     float scale;
-    const int32_t *groups; /* [num_groups, 3]: first row, end row, shared prefix tokens */
-    int num_groups;
-    int32_t *prefix_of_seq;  /* [num_seqs] shared prefix tokens of each sequence (0: none) */
-    float *state;            /* [num_seqs, num_heads, head_dim + 2]: prefix softmax state */
+    const int32_t *prefix_lens; /* [num_seqs] tokens whose state is given (0: none), or NULL */
+    const float *state;         /* [num_seqs, num_heads, head_dim + 2]: max, sum, accumulator */
 } Problem;
 
 /* Online-softmax state of one query head: running max, running sum, accumulator. */
@@ -79,22 +81,13 @@ typedef struct {
 
 static size_t element_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
 
-static uint16_t float_to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* Return `n` elements at `src` as float32: `src` itself for float32 data,
  * otherwise `buf` filled with the converted values. */
 static const float *as_float(const void *src, float *restrict buf, int n, int dtype) {
     if (dtype == DTYPE_F32) return (const float *)src;
     if (dtype == DTYPE_BF16) {
         const uint16_t *s = (const uint16_t *)src;
-        uint32_t *b = (uint32_t *)buf;
-        for (int i = 0; i < n; i++) b[i] = (uint32_t)s[i] << 16;
+        for (int i = 0; i < n; i++) buf[i] = bf16_to_float(s[i]);
         return buf;
     }
 #ifdef __FLT16_MAX__
@@ -187,6 +180,7 @@ static void update_softmax(int d, int group, int n, Scratch *s) {
     for (int g = 0; g < group; g++) {
         float *score = s->scores + g * CHUNK_TOKENS;
         float chunk_max = score[0];
+#pragma omp simd reduction(max : chunk_max)
         for (int t = 1; t < n; t++) chunk_max = score[t] > chunk_max ? score[t] : chunk_max;
         float new_max = chunk_max > s->max[g] ? chunk_max : s->max[g];
         if (new_max > s->max[g]) {
@@ -197,8 +191,9 @@ static void update_softmax(int d, int group, int n, Scratch *s) {
             s->max[g] = new_max;
         }
         float chunk_sum = 0.0f;
+#pragma omp simd reduction(+ : chunk_sum)
         for (int t = 0; t < n; t++) {
-            score[t] = expf(score[t] - new_max);
+            score[t] = vector_expf(score[t] - new_max);
             chunk_sum += score[t];
         }
         s->sum[g] += chunk_sum;
@@ -225,9 +220,9 @@ static void load_query(const Problem *p, int seq, int head, int slot, Scratch *s
     for (int i = 0; i < d; i++) s->q[(size_t)slot * d + i] = q[i] * p->scale;
 }
 
-/* The saved prefix state of query head `head` of sequence `seq`. */
+/* The given prefix state of query head `head` of sequence `seq`. */
 static HeadState prefix_state(const Problem *p, int seq, int head) {
-    float *base = p->state + ((int64_t)seq * p->num_heads + head) * (p->head_dim + 2);
+    float *base = (float *)p->state + ((int64_t)seq * p->num_heads + head) * (p->head_dim + 2);
     HeadState state = {base, base + 1, base + 2};
     return state;
 }
@@ -257,31 +252,14 @@ static void reset_state(int d, int num_queries, Scratch *s) {
     memset(s->acc, 0, sizeof(float) * (size_t)num_queries * d);
 }
 
-/* Phase 1: the shared prefix of group `index`, once for the queries of all its sequences. */
-static int attend_group_prefix(const Problem *p, int index, int kv_head, Scratch *s) {
-    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    int first = p->groups[3 * index], end = p->groups[3 * index + 1], prefix = p->groups[3 * index + 2];
-    int num_queries = (end - first) * group;
-    for (int seq = first; seq < end; seq++)
-        for (int g = 0; g < group; g++) load_query(p, seq, kv_head * group + g, (seq - first) * group + g, s);
-    reset_state(d, num_queries, s);
-    int code = attend_range(p, p->block_tables + (int64_t)first * p->max_blocks, 0, prefix, kv_head, num_queries, s);
-    for (int slot = 0; slot < num_queries; slot++) {
-        HeadState state = prefix_state(p, first + slot / group, kv_head * group + slot % group);
-        *state.max = s->max[slot];
-        *state.sum = s->sum[slot];
-        memcpy(state.acc, s->acc + (size_t)slot * d, sizeof(float) * d);
-    }
-    return code;
-}
-
-/* Phase 2: a sequence's own tokens, starting from its prefix state when it has one. */
+/* A sequence's own tokens, starting from its prefix state when it has one. */
 static int attend_pair(const Problem *p, int seq, int kv_head, Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int prefix = p->prefix_of_seq ? p->prefix_of_seq[seq] : 0;
+    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
+    if (prefix < 0 || prefix >= context_len) return STATUS_BAD_GROUP;
     reset_state(d, group, s);
     for (int g = 0; g < group; g++) {
         load_query(p, seq, kv_head * group + g, g, s);
@@ -301,21 +279,124 @@ static int attend_pair(const Problem *p, int seq, int kv_head, Scratch *s) {
     return STATUS_OK;
 }
 
-/* Check the groups and record each member's prefix length; returns the largest group size. */
-static int index_groups(Problem *p, int *status) {
-    int largest = 1;
-    for (int index = 0; index < p->num_groups; index++) {
-        int first = p->groups[3 * index], end = p->groups[3 * index + 1], prefix = p->groups[3 * index + 2];
-        if (first < 0 || end > p->num_seqs || first >= end || prefix < 0) *status = STATUS_BAD_GROUP;
-        for (int seq = first; seq < end && *status == STATUS_OK; seq++) {
-            if (prefix >= p->context_lens[seq] || p->prefix_of_seq[seq] != 0) *status = STATUS_BAD_GROUP;
-            p->prefix_of_seq[seq] = prefix;
-        }
-        if (*status != STATUS_OK) return largest;
-        largest = end - first > largest ? end - first : largest;
-    }
-    return largest;
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static int is_vector_problem(const Problem *p) {
+    return (p->dtype == DTYPE_F32 || p->dtype == DTYPE_BF16) && p->head_dim % 32 == 0;
 }
+
+/* Elements i..i+15 of a float32 or bfloat16 row, as float32. */
+static inline __m512 load16(const void *row, int i, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)row + i);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* q . k for one query head against one K row: bfloat16 products on the CPU's bf16 dot
+ * instruction where it has one (the unscaled bf16 query, scaled after), else float32 FMAs
+ * with the pre-scaled float32 query. */
+static inline float score_row(const Problem *p, int seq, int head, const void *k, const Scratch *s) {
+    int d = p->head_dim;
+    __m512 acc = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (p->dtype == DTYPE_BF16) {
+        const uint16_t *q = (const uint16_t *)p->q + ((int64_t)seq * p->num_heads + head) * d;
+        const uint16_t *k16 = (const uint16_t *)k;
+        for (int i = 0; i < d; i += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k16 + i));
+        return p->scale * _mm512_reduce_add_ps(acc);
+    }
+#endif
+    const float *q = s->q + (size_t)head * d;
+    for (int i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k, i, p->dtype == DTYPE_BF16), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* acc_h += sum_t weights[h][t] * v_t for the query heads of `kv_head`, sixteen output elements
+ * at a time (the accumulators stay in registers across the rows). `rows` points at the first
+ * row's kv head 0; rows are `row_stride` bytes apart. */
+static void accumulate_rows(const Problem *p, int kv_head, const char *rows, int64_t row_stride, int n, Scratch *s) {
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads, is_bf16 = p->dtype == DTYPE_BF16;
+    const char *first = rows + (int64_t)kv_head * d * element_size(p->dtype);
+    for (int g0 = 0; g0 < group; g0 += MAX_VECTOR_GROUP) {
+        int count = group - g0 < MAX_VECTOR_GROUP ? group - g0 : MAX_VECTOR_GROUP;
+        int head0 = kv_head * group + g0;
+        for (int i = 0; i < d; i += 16) {
+            __m512 acc[MAX_VECTOR_GROUP];
+            for (int g = 0; g < count; g++) acc[g] = _mm512_loadu_ps(s->acc + (size_t)(head0 + g) * d + i);
+            for (int t = 0; t < n; t++) {
+                __m512 v = load16(first + t * row_stride, i, is_bf16);
+                for (int g = 0; g < count; g++)
+                    acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(s->scores[(head0 + g) * CHUNK_TOKENS + t]), v, acc[g]);
+            }
+            for (int g = 0; g < count; g++) _mm512_storeu_ps(s->acc + (size_t)(head0 + g) * d + i, acc[g]);
+        }
+    }
+}
+
+/* Ask for `n` rows (all kv heads) of a block of K and of V before they are read: blocks sit
+ * anywhere in the pool, so the hardware prefetcher cannot guess the next one. */
+static void prefetch_block_rows(const Problem *p, int64_t first_slot, int n) {
+    int64_t bytes = (int64_t)n * p->num_kv_heads * p->head_dim * element_size(p->dtype);
+    const char *k = cache_row(p, p->k_cache, first_slot, 0), *v = cache_row(p, p->v_cache, first_slot, 0);
+    for (int64_t offset = 0; offset < bytes; offset += 64) {
+        _mm_prefetch(k + offset, _MM_HINT_T1);
+        _mm_prefetch(v + offset, _MM_HINT_T1);
+    }
+}
+
+/* One sequence, every kv head, block by block (each block's rows of all heads are one
+ * contiguous run of the pool), starting from its prefix state when it has one. */
+static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
+    int d = p->head_dim, bs = p->block_size, num_heads = p->num_heads;
+    int context_len = p->context_lens[seq];
+    if (context_len < 1 || context_len > (int64_t)p->max_blocks * bs) return STATUS_BAD_CONTEXT_LEN;
+    const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
+    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
+    if (prefix < 0 || prefix >= context_len) return STATUS_BAD_GROUP;
+    reset_state(d, num_heads, s);
+    for (int h = 0; h < num_heads; h++) {
+        load_query(p, seq, h, h, s);
+        if (prefix > 0) {
+            HeadState state = prefix_state(p, seq, h);
+            s->max[h] = *state.max;
+            s->sum[h] = *state.sum;
+            memcpy(s->acc + (size_t)h * d, state.acc, sizeof(float) * d);
+        }
+    }
+    int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
+    for (int pos = prefix; pos < context_len;) {
+        int block = table[pos / bs], offset = pos % bs;
+        int n = bs - offset < context_len - pos ? bs - offset : context_len - pos;
+        n = n < CHUNK_TOKENS ? n : CHUNK_TOKENS;
+        if (block < 0 || block >= p->num_blocks) return STATUS_BAD_BLOCK_ID;
+        int next = pos + n;
+        if (next < context_len && table[next / bs] >= 0 && table[next / bs] < p->num_blocks) {
+            int next_n = context_len - next < bs - next % bs ? context_len - next : bs - next % bs;
+            prefetch_block_rows(p, (int64_t)table[next / bs] * bs + next % bs, next_n < CHUNK_TOKENS ? next_n : CHUNK_TOKENS);
+        }
+        int64_t slot = (int64_t)block * bs + offset;
+        const char *keys = cache_row(p, p->k_cache, slot, 0), *values = cache_row(p, p->v_cache, slot, 0);
+        int group = num_heads / p->num_kv_heads;
+        for (int h = 0; h < num_heads; h++) {
+            const char *k = keys + (int64_t)(h / group) * d * element_size(p->dtype);
+            for (int t = 0; t < n; t++) s->scores[h * CHUNK_TOKENS + t] = score_row(p, seq, h, k + t * row_stride, s);
+        }
+        update_softmax(d, num_heads, n, s);
+        for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) accumulate_rows(p, kv_head, values, row_stride, n, s);
+        pos = next;
+    }
+    size_t row_bytes = (size_t)d * element_size(p->dtype);
+    for (int h = 0; h < num_heads; h++)
+        store_row((char *)p->out + ((int64_t)seq * num_heads + h) * row_bytes, s->acc + (size_t)h * d, 1.0f / s->sum[h],
+                  d, p->dtype);
+    return STATUS_OK;
+}
+#else
+static int is_vector_problem(const Problem *p) { (void)p; return 0; }
+static int attend_seq_vector(const Problem *p, int seq, Scratch *s) { (void)p, (void)seq, (void)s; return STATUS_OK; }
+#endif
 
 static float *alloc_scratch(Scratch *s, int num_queries, int d) {
     size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 2) + (size_t)(CHUNK_TOKENS + 1) * d;
@@ -337,55 +418,42 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
                               const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                               int num_heads, int num_kv_heads, int head_dim, int num_blocks,
                               int block_size, int max_blocks, float scale, int dtype, int num_threads,
-                              const int32_t *groups, int num_groups) {
+                              const int32_t *prefix_lens, const float *state) {
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return STATUS_BAD_DTYPE;
 #endif
     if (dtype < DTYPE_F32 || dtype > DTYPE_F16) return STATUS_BAD_DTYPE;
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale,
-                 groups, num_groups, NULL, NULL};
-    int status = STATUS_OK, largest_group = 1;
-    if (num_groups > 0) {
-        p.prefix_of_seq = (int32_t *)calloc((size_t)num_seqs, sizeof(int32_t));
-        p.state = (float *)malloc(sizeof(float) * (size_t)num_seqs * num_heads * (head_dim + 2));
-        if (p.prefix_of_seq == NULL || p.state == NULL) status = STATUS_NO_MEMORY;
-        else largest_group = index_groups(&p, &status);
-    }
+                 prefix_lens, state};
+    int status = STATUS_OK;
     int64_t work = 0;
-    for (int seq = 0; seq < num_seqs; seq++) work += (int64_t)context_lens[seq] * num_kv_heads;
-    int is_parallel = num_threads > 1 && num_seqs * num_kv_heads > 1 && work >= MIN_PARALLEL_WORK;
-    if (status == STATUS_OK) {
+    for (int seq = 0; seq < num_seqs; seq++)
+        work += (int64_t)(context_lens[seq] - (prefix_lens ? prefix_lens[seq] : 0)) * num_kv_heads;
+    int is_vector = is_vector_problem(&p);
+    int num_items = is_vector ? num_seqs : num_seqs * num_kv_heads;
+    int is_parallel = num_threads > 1 && num_items > 1 && work >= MIN_PARALLEL_WORK;
 #pragma omp parallel num_threads(num_threads) if (is_parallel)
-        {
-            Scratch s = {0};
-            float *base = alloc_scratch(&s, largest_group * (num_heads / num_kv_heads), head_dim);
-            if (base == NULL) {
+    {
+        Scratch s = {0};
+        float *base = alloc_scratch(&s, is_vector ? num_heads : num_heads / num_kv_heads, head_dim);
+        if (base == NULL) {
 #pragma omp atomic write
-                status = STATUS_NO_MEMORY;
-            }
-            /* Phase 1, then (after the loop's barrier) phase 2. */
-#pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < num_groups * num_kv_heads; item++) {
-                int code = base ? attend_group_prefix(&p, item / num_kv_heads, item % num_kv_heads, &s) : STATUS_OK;
-                if (code != STATUS_OK) {
-#pragma omp atomic write
-                    status = code;
-                }
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < num_seqs * num_kv_heads; item++) {
-                int code = base ? attend_pair(&p, item / num_kv_heads, item % num_kv_heads, &s) : STATUS_OK;
-                if (code != STATUS_OK) {
-#pragma omp atomic write
-                    status = code;
-                }
-            }
-            free(base);
+            status = STATUS_NO_MEMORY;
         }
+        /* A work item: a sequence (vector path), else a (sequence, kv head) pair. */
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_items; item++) {
+            int code = STATUS_OK;
+            if (base && is_vector) code = attend_seq_vector(&p, item, &s);
+            else if (base) code = attend_pair(&p, item / num_kv_heads, item % num_kv_heads, &s);
+            if (code != STATUS_OK) {
+#pragma omp atomic write
+                status = code;
+            }
+        }
+        free(base);
     }
-    free(p.prefix_of_seq);
-    free(p.state);
     return status;
 }
 
