@@ -15,6 +15,11 @@ with bytes = weights read once + K/V read (the whole context of every sequence) 
 and FLOPs = 2 * matmul parameters * tokens + 2 * vocab * hidden per logits row + attention
 (4 * heads * head_dim per query-key pair and layer).
 
+Next to it, the matmul bound: the step's matrix products alone (the engine's own weights, every
+layer's, at the step's row count, in the step's order), timed here. A step's time over it is
+what the rest of the step (attention, norms, Python) adds; the prefill's FLOPs over its time,
+as a fraction of the measured matmul rate, is how close it runs to the machine's GEMM.
+
 --batches, --contexts and --prefill-tokens replace the size's step shapes (a dtype without fast
 matmuls on this machine makes each step take seconds). The measured time is one
 `ModelRunner.execute` call (pack, forward, attention over the paged
@@ -25,6 +30,7 @@ holds, which changes no cost. Scheduling and sampling are not in it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -41,6 +47,8 @@ from bench import int_tuple  # noqa: E402
 from bench_models import load_bench_model  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.engine.fused_decoder import linear as fused_linear  # noqa: E402
+from batchgen.kernels.cpu_linear import ROW_BUCKET  # noqa: E402
 from batchgen.engine.model_runner import KVCacheSpec  # noqa: E402
 from batchgen.engine.step import ScheduledSeq, ScheduledStep  # noqa: E402
 from batchgen.engine.sequence import Sequence  # noqa: E402
@@ -96,7 +104,8 @@ def measure_bandwidth(device: torch.device, num_bytes: int) -> float:
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, max_n: int, max_call_s: float = 0.5) -> float:
     """FLOP/s of an n x n by n x n matrix product in `dtype`, as a linear layer computes it (input
-    times the transposed weight: on some CPUs a bf16 product is 10x slower in the other layout).
+    times the transposed weight: on some CPUs a bf16 product is 10x slower in the other layout;
+    on CPU the faster of torch's GEMM and oneDNN's with a packed weight).
     n doubles from 256 up to `max_n` while one product is predicted to take under `max_call_s`
     (a dtype without fast kernels stays small)."""
     n, rate = 256, 0.0
@@ -104,6 +113,9 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, max_n: int, max_cal
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         seconds = best_time(lambda: F.linear(a, b), device)
+        if device.type == "cpu" and torch.backends.mkldnn.is_available():  # oneDNN with a packed weight
+            packed = (torch.ops.mkldnn._reorder_linear_weight(b), None)
+            seconds = min(seconds, best_time(lambda: fused_linear(a, packed), device))
         rate = max(rate, 2 * n**3 / seconds)
         if 2 * n > max_n or 8 * seconds > max_call_s:
             return rate
@@ -162,24 +174,57 @@ def placed_step(batch: int, context: int, num_new: int, vocab_size: int) -> Sche
     return ScheduledStep(scheduled)
 
 
-def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> float:
-    """Median seconds of `ModelRunner.execute` for this step shape, on a pool just large enough: up to
-    NUM_TIMED calls after a warm-up, fewer once they took MAX_TIMED_S together."""
+def median_time(fn, device: torch.device) -> float:
+    """Median seconds of up to NUM_TIMED calls after a warm-up, fewer once they took MAX_TIMED_S together."""
+    fn()
+    times = []
+    while len(times) < NUM_TIMED and sum(times) < MAX_TIMED_S:
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_products(runner, num_tokens: int, num_logits: int) -> list[tuple]:
+    """(function, input) of every matrix product of a step, in the order the step runs them, with the
+    engine's own weights: the fused step's packed merged products where it runs, else the model's
+    linear layers. Rows are padded as the fused step pads them."""
+    model, device, dtype = runner.model, runner.device, runner.model.dtype
+    fused = runner.fused
+    if fused is None:
+        linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name]
+        head = model.get_output_embeddings()
+        return ([(m, torch.randn(num_tokens, m.in_features, device=device, dtype=dtype)) for m in linears]
+                + [(head, torch.randn(num_logits, head.in_features, device=device, dtype=dtype))])
+    config = model.config.get_text_config()
+    rows, logit_rows = (-(-n // ROW_BUCKET) * ROW_BUCKET for n in (num_tokens, num_logits))
+    widths = (config.hidden_size, fused.num_heads * fused.head_dim, config.hidden_size, config.intermediate_size)
+    inputs = {width: torch.randn(rows, width, dtype=dtype) for width in set(widths)}
+    products = [(functools.partial(fused_linear, packed=packed), inputs[width]) for layer in fused.layers
+                for packed, width in zip((layer.qkv, layer.o, layer.gate_up, layer.down), widths)]
+    return products + [(functools.partial(fused_linear, packed=fused.lm_head),
+                        torch.randn(logit_rows, config.hidden_size, dtype=dtype))]
+
+
+def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> tuple[float, float]:
+    """(median seconds of `ModelRunner.execute` for this step shape, median seconds of its matrix
+    products alone), on a pool just large enough."""
     shape_bytes = KVCacheSpec.from_model(model).bytes_per_token
     num_tokens = batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE
     llm = LLM(model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_memory=num_tokens * shape_bytes,
               enable_prefix_caching=False, max_num_batched_tokens=max(2048, batch * num_new))
     step = placed_step(batch, context, num_new, model.config.get_text_config().vocab_size)
     runner, device = llm.engine.runner, llm.engine.runner.device
-    runner.execute(step)
-    times = []
-    while len(times) < NUM_TIMED and sum(times) < MAX_TIMED_S:
-        synchronize(device)
-        start = time.perf_counter()
-        runner.execute(step)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    products = step_products(runner, batch * num_new, batch)
+
+    def run_products():
+        for product, x in products:
+            product(x)
+
+    with torch.inference_mode():
+        return median_time(lambda: runner.execute(step), device), median_time(run_products, device)
 
 
 def roofline_rows(model, tokenizer, sizes: Sizes, bandwidth: float, peak_flops: float) -> list[dict]:
@@ -190,25 +235,29 @@ def roofline_rows(model, tokenizer, sizes: Sizes, bandwidth: float, peak_flops: 
     rows = []
     for kind, batch, context, num_new in cases:
         num_bytes, flops = step_cost(shape, [num_new] * batch, [context] * batch)
-        measured = time_step(model, tokenizer, batch, context, num_new)
+        measured, products_s = time_step(model, tokenizer, batch, context, num_new)
         memory_s, compute_s = num_bytes / bandwidth, flops / peak_flops
         bound = max(memory_s, compute_s)
         rows.append({"kind": kind, "batch": batch, "context": context, "num_new_tokens": num_new,
                      "bytes": num_bytes, "flops": flops, "measured_s": measured, "memory_bound_s": memory_s,
                      "compute_bound_s": compute_s, "bound_s": bound, "measured_over_bound": measured / bound,
-                     "achieved_flops": flops / measured, "achieved_bandwidth": num_bytes / measured})
+                     "matmul_bound_s": products_s, "measured_over_matmul_bound": measured / products_s,
+                     "achieved_flops": flops / measured, "fraction_of_matmul_rate": flops / measured / peak_flops,
+                     "achieved_bandwidth": num_bytes / measured})
         print(f"  {kind} batch {batch} context {context}: {measured * 1e3:.1f} ms", file=sys.stderr, flush=True)
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| step | batch | context | measured ms | memory bound ms | compute bound ms | measured / bound "
-             "| achieved GB/s | achieved GFLOP/s |", "|" + "---|" * 9]
+             "| matmul bound ms | measured / matmul bound | achieved GB/s | achieved GFLOP/s | of matmul rate |",
+             "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['measured_s'] * 1e3:.2f} "
                      f"| {r['memory_bound_s'] * 1e3:.2f} | {r['compute_bound_s'] * 1e3:.2f} "
-                     f"| {r['measured_over_bound']:.2f}x | {r['achieved_bandwidth'] / 1e9:.1f} "
-                     f"| {r['achieved_flops'] / 1e9:.1f} |")
+                     f"| {r['measured_over_bound']:.2f}x | {r['matmul_bound_s'] * 1e3:.2f} "
+                     f"| {r['measured_over_matmul_bound']:.2f}x | {r['achieved_bandwidth'] / 1e9:.1f} "
+                     f"| {r['achieved_flops'] / 1e9:.1f} | {r['fraction_of_matmul_rate']:.0%} |")
     return "\n".join(lines)
 
 
