@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C c
 
 
 CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 317]
-SHAPES = [(4, 4, 64), (9, 3, 64), (12, 3, 32), (8, 2, 32)]  # GQA groups 1, 3, 4, 4
+# GQA groups 1, 3, 4, 4, 7, 16 (more heads than the AVX-512 path holds at once); head_dim 96 (its
+# narrower tiles) and 40 (not a multiple of 32: the portable path)
+SHAPES = [(4, 4, 64), (9, 3, 64), (12, 3, 32), (8, 2, 32), (7, 1, 128), (16, 1, 64), (8, 2, 96), (6, 2, 40)]
 
 
 # (dtype, absolute, relative) tolerance; half-precision outputs are rounded once from float32.

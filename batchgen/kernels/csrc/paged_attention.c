@@ -313,24 +313,48 @@ static inline float score_row(const Problem *p, int seq, int head, const void *k
     return _mm512_reduce_add_ps(acc);
 }
 
-/* acc_h += sum_t weights[h][t] * v_t for the query heads of `kv_head`, sixteen output elements
- * at a time (the accumulators stay in registers across the rows). `rows` points at the first
- * row's kv head 0; rows are `row_stride` bytes apart. */
+/* acc_h += sum_t weights[h][t] * v_t over output elements i0 .. i0 + 16 * tile of the `count`
+ * query heads from head0: tile * count accumulators stay in registers across the rows (a
+ * compile-time tile and count: a runtime-sized accumulator array would live in memory, and
+ * every row would wait on a store and a load). */
+static inline __attribute__((always_inline)) void accumulate_tile(const Problem *p, const char *first,
+                                                                  int64_t row_stride, int n, int i0, int head0,
+                                                                  Scratch *s, const int tile, const int count) {
+    int d = p->head_dim, is_bf16 = p->dtype == DTYPE_BF16;
+    __m512 acc[4][MAX_VECTOR_GROUP];
+    for (int a = 0; a < tile; a++)
+        for (int g = 0; g < count; g++) acc[a][g] = _mm512_loadu_ps(s->acc + (size_t)(head0 + g) * d + i0 + 16 * a);
+    for (int t = 0; t < n; t++) {
+        const char *row = first + t * row_stride;
+        for (int a = 0; a < tile; a++) {
+            __m512 v = load16(row, i0 + 16 * a, is_bf16);
+            for (int g = 0; g < count; g++)
+                acc[a][g] = _mm512_fmadd_ps(_mm512_set1_ps(s->scores[(head0 + g) * CHUNK_TOKENS + t]), v, acc[a][g]);
+        }
+    }
+    for (int a = 0; a < tile; a++)
+        for (int g = 0; g < count; g++) _mm512_storeu_ps(s->acc + (size_t)(head0 + g) * d + i0 + 16 * a, acc[a][g]);
+}
+
+#define TILE_CASE(tile, count) \
+    case (tile) * 16 + (count): \
+        for (int i0 = 0; i0 < d; i0 += 16 * (tile)) accumulate_tile(p, first, row_stride, n, i0, head0, s, tile, count); \
+        break;
+
+/* acc_h += sum_t weights[h][t] * v_t for the query heads of `kv_head`. `rows` points at the
+ * first row's kv head 0; rows are `row_stride` bytes apart. Tiles of 12 or fewer accumulators:
+ * four 16-wide pieces of up to 3 heads, two of up to 6, one of up to 8. */
 static void accumulate_rows(const Problem *p, int kv_head, const char *rows, int64_t row_stride, int n, Scratch *s) {
-    int d = p->head_dim, group = p->num_heads / p->num_kv_heads, is_bf16 = p->dtype == DTYPE_BF16;
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const char *first = rows + (int64_t)kv_head * d * element_size(p->dtype);
     for (int g0 = 0; g0 < group; g0 += MAX_VECTOR_GROUP) {
         int count = group - g0 < MAX_VECTOR_GROUP ? group - g0 : MAX_VECTOR_GROUP;
         int head0 = kv_head * group + g0;
-        for (int i = 0; i < d; i += 16) {
-            __m512 acc[MAX_VECTOR_GROUP];
-            for (int g = 0; g < count; g++) acc[g] = _mm512_loadu_ps(s->acc + (size_t)(head0 + g) * d + i);
-            for (int t = 0; t < n; t++) {
-                __m512 v = load16(first + t * row_stride, i, is_bf16);
-                for (int g = 0; g < count; g++)
-                    acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(s->scores[(head0 + g) * CHUNK_TOKENS + t]), v, acc[g]);
-            }
-            for (int g = 0; g < count; g++) _mm512_storeu_ps(s->acc + (size_t)(head0 + g) * d + i, acc[g]);
+        int tile = count <= 3 && d % 64 == 0 ? 4 : count <= 6 ? 2 : 1;
+        switch (tile * 16 + count) {
+            TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3)
+            TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(2, 5) TILE_CASE(2, 6)
+            TILE_CASE(1, 7) TILE_CASE(1, 8)
         }
     }
 }
