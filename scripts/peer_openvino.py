@@ -66,7 +66,7 @@ class Pipelines:
 
     def fresh(self):
         pipeline, self.unused = self.unused, None
-        return pipeline or load(*self.load_args)
+        return load(*self.load_args) if pipeline is None else pipeline
 
 
 def generation_config(max_tokens: int, n: int, greedy: bool, seed: int | None):
@@ -106,7 +106,8 @@ def run(pipeline, workload: dict) -> dict:
     samples = [sample for r in results for sample in r.m_generation_ids]  # prompt by prompt, in order
     # 0: OpenVINO GenAI looks a request's prompt up in the prefix cache only when the request is added,
     # and generate adds every request before computing any, so on a fresh cache nothing is served from
-    # it (it reports no such count either). A prompt's n samples fork from its one prefill.
+    # it; it reports no such count either. (A prompt's n samples fork from its one prefill, yet bench
+    # then counts the prompt as computed n times.)
     return {"token_ids": [samples[i:i + n] for i in range(0, len(samples), n)], "wall_s": wall,
             "num_cached_prompt_tokens": 0}
 
