@@ -20,7 +20,8 @@ Layout invariants (`AttentionMetadata`):
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
 others; "native" batches decode rows through one kernel call that reads the pool in place
 (compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
-runs prefill chunks through `scaled_dot_product_attention`.
+runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512, float32 /
+bfloat16), else `scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class AttentionMetadata:
     num_decode_seqs: int
     block_size: int
     decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefix_groups
+
+    @cached_property
+    def prefill_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first packed row, number of query tokens) of each prefill chunk, int32 on the device;
+        built at the first layer's call, shared by every layer."""
+        first, device = self.num_decode_seqs, self.block_tables.device
+        return (torch.tensor(self.query_start_loc[first:-1], dtype=torch.int32, device=device),
+                torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
     def short_prefill(self) -> PrefillBatch | None:
@@ -240,15 +249,17 @@ class NativeBackend(AttentionBackend):
 
     `decode` is the batched paged decode function for this device. When `shares_prefixes`,
     it takes `groups=` and reads a group's shared prefix once for all its sequences (cascade
-    attention). A prefill chunk with no cached context attends to its own new K/V without
-    touching the pool.
+    attention). `prefill`, when given, attends every prefill chunk over the pool in one call
+    and returns False where it does not apply (then SDPA runs them). Through SDPA, a prefill
+    chunk with no cached context attends to its own new K/V without touching the pool.
     """
 
     name = "native"
 
-    def __init__(self, decode, shares_prefixes: bool = False):
+    def __init__(self, decode, shares_prefixes: bool = False, prefill=None):
         self.decode = decode
         self.shares_prefixes = shares_prefixes
+        self.prefill = prefill
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         num_decode = meta.num_decode_seqs
@@ -256,6 +267,10 @@ class NativeBackend(AttentionBackend):
             extra = {"groups": meta.decode_groups} if meta.decode_groups is not None else {}
             out[:num_decode] = self.decode(q[:num_decode].contiguous(), k_cache, v_cache, meta.block_tables[:num_decode],
                                            meta.context_lens[:num_decode], scale, **extra)
+        if num_decode == len(meta.query_lens) or (self.prefill is not None and self.prefill(
+                q, k_cache, v_cache, meta.block_tables[num_decode:], meta.context_lens[num_decode:],
+                *meta.prefill_queries, scale, out)):
+            return
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
         batch = meta.short_prefill
@@ -325,7 +340,8 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         from batchgen.kernels import cpu_attention
 
         if cpu_attention.is_available():
-            return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True)
+            return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True,
+                                 prefill=cpu_attention.paged_prefill_attention)
     return NativeBackend(_decode_function(device))
 
 

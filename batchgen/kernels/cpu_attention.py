@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,16 +39,31 @@ _ARGTYPES = (
 )
 
 
+_PREFILL_ARGTYPES = (
+    [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
+)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    decode: Callable[..., int]
+    prefill: Callable[..., int]
+    prefill_supported: Callable[[int, int], int]
+    supports_float16: bool
+
+
 @functools.cache
-def _load_kernel() -> tuple[Callable[..., int], bool] | None:
-    """The kernel entry point and whether it supports float16, or None if unavailable."""
+def _load_kernel() -> Kernel | None:
+    """The library's entry points, or None if unavailable."""
     library = load_library("paged_attention.c")
     if library is None:
         return None
-    function = library.bg_paged_decode_attention
-    function.argtypes = _ARGTYPES
-    function.restype = ctypes.c_int
-    return function, bool(library.bg_supports_float16())
+    for function, argtypes in ((library.bg_paged_decode_attention, _ARGTYPES),
+                               (library.bg_paged_prefill_attention, _PREFILL_ARGTYPES),
+                               (library.bg_prefill_supported, [ctypes.c_int, ctypes.c_int])):
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return Kernel(library.bg_paged_decode_attention, library.bg_paged_prefill_attention,
+                  library.bg_prefill_supported, bool(library.bg_supports_float16()))
 
 
 def is_available() -> bool:
@@ -93,9 +109,8 @@ def paged_decode_attention(
     kernel = _load_kernel()
     if kernel is None:
         raise RuntimeError("the CPU paged-attention kernel is unavailable (see is_available())")
-    function, supports_float16 = kernel
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    if q.dtype == torch.float16 and not supports_float16:
+    if q.dtype == torch.float16 and not kernel.supports_float16:
         raise ValueError("this compiler build of the kernel has no float16 support")
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -106,7 +121,7 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
-    status = function(
+    status = kernel.decode(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
@@ -115,6 +130,39 @@ def paged_decode_attention(
     if status != 0:
         raise ValueError(f"paged_decode_attention: {_STATUS_MESSAGES.get(status, f'status {status}')}")
     return out
+
+
+
+@functools.cache
+def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `paged_prefill_attention` runs this dtype and head size here (its AVX-512 path:
+    float32 / bfloat16, head_dim a multiple of 32)."""
+    kernel = _load_kernel()
+    return (kernel is not None and dtype in (torch.float32, torch.bfloat16)
+            and bool(kernel.prefill_supported(_DTYPE_CODES[dtype], head_dim)))
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
+                            scale: float, out: torch.Tensor) -> bool:
+    """Causal attention of prefill chunks over the paged pool, written into `out` ([rows, H, D]
+    like `q`). Sequence s's queries are rows query_starts[s] .. + query_lens[s] of q, the last
+    query_lens[s] of its context_lens[s] positions, whose K/V (its own new tokens included) are
+    in the pool at its block table's slots; block_tables [S, max_blocks] and the three [S]
+    tensors are contiguous int32. Returns False, writing nothing, where it does not apply: a
+    dtype or head size `prefill_supported` refuses, or a non-contiguous q or out."""
+    if not (prefill_supported(q.dtype, q.shape[-1]) and q.is_contiguous() and out.is_contiguous()):
+        return False
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    status = _load_kernel().prefill(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), query_starts.data_ptr(), query_lens.data_ptr(), len(query_lens), q.shape[1],
+        num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"paged_prefill_attention: {_STATUS_MESSAGES.get(status, f'status {status}')}")
+    return True
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -138,3 +138,50 @@ def test_bad_shared_prefix_groups_are_refused(groups):
     with pytest.raises(ValueError, match="shared-prefix group"):
         cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125,
                                              groups=torch.tensor(groups, dtype=torch.int32))
+
+
+def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
+    """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
+    outputs = []
+    for s, (context, num_queries) in enumerate(zip(context_lens.tolist(), query_lens)):
+        positions = torch.arange(context)
+        slots = block_tables[s, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        keys = flat_k[slots].repeat_interleave(group, dim=1)  # [context, H, D]
+        values = flat_v[slots].repeat_interleave(group, dim=1)
+        queries = q[sum(query_lens[:s]):sum(query_lens[:s + 1])].double()  # [Q, H, D]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        query_pos = torch.arange(context - num_queries, context)[:, None]
+        scores = scores.masked_fill(positions[None] > query_pos, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
+    return torch.cat(outputs)
+
+
+@pytest.mark.skipif(not cpu_attention.prefill_supported(torch.float32, 64), reason="no AVX-512 prefill path here")
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 32), (16, 1, 64), (8, 2, 96)])
+def test_prefill_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim):
+    # chunks: a whole prompt, a chunk after 40 cached tokens, one token, a chunk across many blocks, and one
+    # after 121 cached tokens (its query tiles straddle the kernel's 64-key chunks)
+    context_lens, query_lens = [37, 57, 9, 150, 200], [37, 17, 1, 150, 79]
+    _, k_cache, v_cache, block_tables, contexts = make_inputs(context_lens, num_heads, num_kv_heads, head_dim,
+                                                              dtype, seed=31)
+    q = torch.randn((sum(query_lens), num_heads, head_dim), generator=torch.Generator().manual_seed(32)).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    starts = torch.tensor([0, 37, 54, 55, 205], dtype=torch.int32)
+    assert cpu_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, contexts, starts,
+                                                 torch.tensor(query_lens, dtype=torch.int32), 0.125, out)
+    expected = reference_prefill(q, k_cache, v_cache, block_tables, contexts, query_lens, 0.125)
+    assert not torch.isnan(out).any()
+    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
+
+
+def test_prefill_declines_what_it_cannot_run():
+    q, k_cache, v_cache, block_tables, contexts = make_inputs([20], 4, 2, 40, torch.float32, seed=33)
+    args = (block_tables, contexts, torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 0.1)
+    assert not cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *args, torch.empty_like(q))  # head_dim 40
+    q16, k16, v16 = (t.to(torch.float16) for t in (q, k_cache, v_cache))
+    assert not cpu_attention.paged_prefill_attention(q16, k16, v16, *args, torch.empty_like(q16))

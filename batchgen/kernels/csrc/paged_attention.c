@@ -45,6 +45,8 @@ enum {
 /* The AVX-512 path (float32 / bfloat16, head_dim a multiple of 32) keeps this many query
  * heads' accumulators in registers at once. */
 #define MAX_VECTOR_GROUP 8
+/* Query tokens per work item of the prefill kernel. */
+#define PREFILL_TILE 16
 /* Below this many (token, kv head) pairs, waking more threads costs more than it saves. */
 #define MIN_PARALLEL_WORK 4096
 
@@ -309,17 +311,17 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], 0x88), _mm512_shuffle_f32x4(octets[0], octets[1], 0xDD));
 }
 
-/* scores[t] = q . k_t for query head `head` and rows t < n (n <= 16) of one block: bfloat16
- * products on the CPU's bf16 dot instruction where it has one (the unscaled bf16 query, scaled
- * after), else float32 FMAs with the pre-scaled float32 query. Rows t >= n score 0. */
-static inline void score_rows16(const Problem *p, int seq, int head, const char *k, int64_t row_stride, int n,
-                                const Scratch *s, float *scores) {
+/* scores[t] = q . k_t for rows t < n (n <= 16) of one block: bfloat16 products on the CPU's
+ * bf16 dot instruction where it has one (`q_raw`, the unscaled bf16 query, scaled after), else
+ * float32 FMAs with `q_scaled`, the pre-scaled float32 query. Rows t >= n score 0. */
+static inline void score_rows16(const Problem *p, const void *q_raw, const float *q_scaled, const char *k,
+                                int64_t row_stride, int n, float *scores) {
     int d = p->head_dim;
     __m512 acc[16];
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
     if (p->dtype == DTYPE_BF16) {
-        const uint16_t *q = (const uint16_t *)p->q + ((int64_t)seq * p->num_heads + head) * d;
+        const uint16_t *q = (const uint16_t *)q_raw;
         for (int i = 0; i < d; i += 32) {
             __m512bh q_pairs = (__m512bh)_mm512_loadu_si512(q + i);
             for (int t = 0; t < n; t++)
@@ -329,16 +331,20 @@ static inline void score_rows16(const Problem *p, int seq, int head, const char 
         return;
     }
 #endif
-    const float *q = s->q + (size_t)head * d;
     for (int i = 0; i < d; i += 16) {
-        __m512 q_part = _mm512_loadu_ps(q + i);
+        __m512 q_part = _mm512_loadu_ps(q_scaled + i);
         for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(q_part, load16(k + t * row_stride, i, p->dtype == DTYPE_BF16), acc[t]);
     }
     _mm512_storeu_ps(scores, sum16(acc));
 }
 
-/* acc_h += sum_t weights[h][t] * v_t over output elements i0 .. i0 + 16 * tile of the `count`
- * query heads from head0: tile * count accumulators stay in registers across the rows (a
+/* The row of query head `head` of packed token `row` in q. */
+static inline const void *query_row(const Problem *p, int64_t row, int head) {
+    return (const char *)p->q + (row * p->num_heads + head) * p->head_dim * element_size(p->dtype);
+}
+
+/* acc_r += sum_t weights[r][t] * v_t over output elements i0 .. i0 + 16 * tile of the `count`
+ * query rows from head0: tile * count accumulators stay in registers across the rows (a
  * compile-time tile and count: a runtime-sized accumulator array would live in memory, and
  * every row would wait on a store and a load). */
 static inline __attribute__((always_inline)) void accumulate_tile(const Problem *p, const char *first,
@@ -367,17 +373,15 @@ static inline __attribute__((always_inline)) void accumulate_tile(const Problem 
             accumulate_tile(p, first, row_stride, n, weights, i0, head0, s, tile, count); \
         break;
 
-/* acc_h += sum_t weights[h][t] * v_t for the query heads of `kv_head` (weights[h][t] at
- * weights[h * CHUNK_TOKENS + t]). `rows` points at the first row's kv head 0; rows are
- * `row_stride` bytes apart. Tiles of 12 or fewer accumulators:
- * four 16-wide pieces of up to 3 heads, two of up to 6, one of up to 8. */
-static void accumulate_rows(const Problem *p, int kv_head, const char *rows, int64_t row_stride, int n,
-                            const float *weights, Scratch *s) {
-    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    const char *first = rows + (int64_t)kv_head * d * element_size(p->dtype);
-    for (int g0 = 0; g0 < group; g0 += MAX_VECTOR_GROUP) {
-        int count = group - g0 < MAX_VECTOR_GROUP ? group - g0 : MAX_VECTOR_GROUP;
-        int head0 = kv_head * group + g0;
+/* acc_r += sum_t weights[r][t] * v_t for query rows r in [row0, row0 + num_rows) of the
+ * scratch (weights[r][t] at weights[r * CHUNK_TOKENS + t]), all reading the same kv head:
+ * `first` is its first V row, rows are `row_stride` bytes apart. Tiles of 12 or fewer
+ * accumulators: four 16-wide pieces of up to 3 rows, two of up to 6, one of up to 8. */
+static void accumulate_heads(const Problem *p, const char *first, int64_t row_stride, int n, const float *weights,
+                             int row0, int num_rows, Scratch *s) {
+    int d = p->head_dim;
+    for (int head0 = row0; head0 < row0 + num_rows; head0 += MAX_VECTOR_GROUP) {
+        int count = row0 + num_rows - head0 < MAX_VECTOR_GROUP ? row0 + num_rows - head0 : MAX_VECTOR_GROUP;
         int tile = count <= 3 && d % 64 == 0 ? 4 : count <= 6 ? 2 : 1;
         switch (tile * 16 + count) {
             TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3)
@@ -413,6 +417,27 @@ typedef struct {
     int start, length;         /* its tokens' place in the chunk */
 } Segment;
 
+/* The next chunk of positions [*pos, end): at most CHUNK_TOKENS of them, as runs inside blocks
+ * (`*n` tokens in all); advances *pos past it and asks for the chunk after it. Returns the
+ * number of segments, or -1 when a block id is out of range. */
+static int next_chunk(const Problem *p, const int32_t *table, int *pos, int end, Segment *segments, int *n) {
+    int bs = p->block_size, num_segments = 0;
+    *n = 0;
+    while (*pos < end && *n < CHUNK_TOKENS) {
+        int block = table[*pos / bs], offset = *pos % bs;
+        if (block < 0 || block >= p->num_blocks) return -1;
+        int length = bs - offset;
+        length = length < end - *pos ? length : end - *pos;
+        length = length < CHUNK_TOKENS - *n ? length : CHUNK_TOKENS - *n;
+        int64_t slot = (int64_t)block * bs + offset;
+        segments[num_segments++] = (Segment){cache_row(p, p->k_cache, slot, 0), cache_row(p, p->v_cache, slot, 0), *n, length};
+        *n += length;
+        *pos += length;
+    }
+    prefetch_tokens(p, table, *pos, end - *pos < CHUNK_TOKENS ? end : *pos + CHUNK_TOKENS);
+    return num_segments;
+}
+
 /* One sequence, every kv head, CHUNK_TOKENS tokens at a time (runs of whole blocks, each
  * block's rows of all heads one contiguous run of the pool), starting from its prefix state
  * when it has one. */
@@ -437,35 +462,23 @@ static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
     int group = num_heads / p->num_kv_heads;
     Segment segments[CHUNK_TOKENS];
     for (int pos = prefix; pos < context_len;) {
-        int num_segments = 0, n = 0;
-        for (; pos < context_len && n < CHUNK_TOKENS; num_segments++) { /* the chunk: runs of blocks */
-            int block = table[pos / bs], offset = pos % bs;
-            if (block < 0 || block >= p->num_blocks) return STATUS_BAD_BLOCK_ID;
-            int length = bs - offset;
-            length = length < context_len - pos ? length : context_len - pos;
-            length = length < CHUNK_TOKENS - n ? length : CHUNK_TOKENS - n;
-            int64_t slot = (int64_t)block * bs + offset;
-            segments[num_segments] = (Segment){cache_row(p, p->k_cache, slot, 0), cache_row(p, p->v_cache, slot, 0),
-                                               n, length};
-            n += length;
-            pos += length;
-        }
-        prefetch_tokens(p, table, pos, context_len - pos < CHUNK_TOKENS ? context_len : pos + CHUNK_TOKENS);
+        int n = 0, num_segments = next_chunk(p, table, &pos, context_len, segments, &n);
+        if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
         for (int i = 0; i < num_segments; i++) {
             const Segment *segment = &segments[i];
             for (int h = 0; h < num_heads; h++) {
                 const char *k = segment->keys + (int64_t)(h / group) * d * element_size(p->dtype);
                 for (int t0 = 0; t0 < segment->length; t0 += 16)
-                    score_rows16(p, seq, h, k + t0 * row_stride, row_stride,
-                                 segment->length - t0 < 16 ? segment->length - t0 : 16, s,
+                    score_rows16(p, query_row(p, seq, h), s->q + (size_t)h * d, k + t0 * row_stride, row_stride,
+                                 segment->length - t0 < 16 ? segment->length - t0 : 16,
                                  s->scores + h * CHUNK_TOKENS + segment->start + t0);
             }
         }
         update_softmax(d, num_heads, n, s);
         for (int i = 0; i < num_segments; i++)
             for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
-                accumulate_rows(p, kv_head, segments[i].values, row_stride, segments[i].length,
-                                s->scores + segments[i].start, s);
+                accumulate_heads(p, segments[i].values + (int64_t)kv_head * d * element_size(p->dtype), row_stride,
+                                 segments[i].length, s->scores + segments[i].start, kv_head * group, group, s);
     }
     size_t row_bytes = (size_t)d * element_size(p->dtype);
     for (int h = 0; h < num_heads; h++)
@@ -473,9 +486,62 @@ static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
                   d, p->dtype);
     return STATUS_OK;
 }
+
+/* Causal prefill attention of one tile of a chunk: query tokens tile_start .. +16 of sequence
+ * `seq` (packed rows query_start + ...), the query heads of `kv_head`, over every cached
+ * position up to each token's own. Scratch row r is token r / group, head kv_head * group +
+ * r % group. */
+static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
+                               Scratch *s) {
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    int context_len = p->context_lens[seq];
+    if (query_len < 1 || query_len > context_len || context_len > (int64_t)p->max_blocks * p->block_size)
+        return STATUS_BAD_CONTEXT_LEN;
+    const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
+    int num_tokens = query_len - tile_start < PREFILL_TILE ? query_len - tile_start : PREFILL_TILE;
+    int num_rows = num_tokens * group, first_pos = context_len - query_len + tile_start;
+    reset_state(d, num_rows, s);
+    for (int r = 0; r < num_rows; r++)
+        load_query(p, query_start + tile_start + r / group, kv_head * group + r % group, r, s);
+    int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
+    int64_t head_offset = (int64_t)kv_head * d * element_size(p->dtype);
+    Segment segments[CHUNK_TOKENS];
+    for (int pos = 0; pos < first_pos + num_tokens;) {
+        int chunk_pos = pos, n = 0;
+        int num_segments = next_chunk(p, table, &pos, first_pos + num_tokens, segments, &n);
+        if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
+        for (int r = 0; r < num_rows; r++) {
+            const void *q_raw = query_row(p, query_start + tile_start + r / group, kv_head * group + r % group);
+            float *scores = s->scores + r * CHUNK_TOKENS;
+            for (int i = 0; i < num_segments; i++)
+                for (int t0 = 0; t0 < segments[i].length; t0 += 16)
+                    score_rows16(p, q_raw, s->q + (size_t)r * d, segments[i].keys + head_offset + t0 * row_stride,
+                                 row_stride, segments[i].length - t0 < 16 ? segments[i].length - t0 : 16,
+                                 scores + segments[i].start + t0);
+            int first_masked = first_pos + r / group - chunk_pos + 1; /* causal: keys after the token */
+            for (int t = first_masked > 0 ? first_masked : 0; t < n; t++) scores[t] = -INFINITY;
+        }
+        update_softmax(d, num_rows, n, s);
+        for (int i = 0; i < num_segments; i++)
+            accumulate_heads(p, segments[i].values + head_offset, row_stride, segments[i].length,
+                             s->scores + segments[i].start, 0, num_rows, s);
+    }
+    size_t row_bytes = (size_t)d * element_size(p->dtype);
+    for (int r = 0; r < num_rows; r++) {
+        int64_t row = query_start + tile_start + r / group;
+        store_row((char *)p->out + (row * p->num_heads + kv_head * group + r % group) * row_bytes,
+                  s->acc + (size_t)r * d, 1.0f / s->sum[r], d, p->dtype);
+    }
+    return STATUS_OK;
+}
 #else
 static int is_vector_problem(const Problem *p) { (void)p; return 0; }
 static int attend_seq_vector(const Problem *p, int seq, Scratch *s) { (void)p, (void)seq, (void)s; return STATUS_OK; }
+static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
+                               Scratch *s) {
+    (void)p, (void)seq, (void)query_start, (void)query_len, (void)tile_start, (void)kv_head, (void)s;
+    return STATUS_BAD_DTYPE;
+}
 #endif
 
 static float *alloc_scratch(Scratch *s, int num_queries, int d) {
@@ -534,6 +600,61 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
         }
         free(base);
     }
+    return status;
+}
+
+/* 1 when bg_paged_prefill_attention runs `dtype` with `head_dim` here (its AVX-512 path). */
+int bg_prefill_supported(int dtype, int head_dim) {
+    Problem p = {0};
+    p.dtype = dtype, p.head_dim = head_dim;
+    return is_vector_problem(&p);
+}
+
+/* Causal attention of prefill chunks over the paged pool, whose K/V already hold the chunks'
+ * own tokens. Sequence s's query tokens are packed rows query_starts[s] .. + query_lens[s] of
+ * q and out ([rows, num_heads, head_dim]); they are the last query_lens[s] of its
+ * context_lens[s] positions. Work items are (sequence, tile of PREFILL_TILE tokens, kv head). */
+int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                               const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
+                               const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                               int num_blocks, int block_size, int max_blocks, float scale, int dtype,
+                               int num_threads) {
+    Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
+    if (!is_vector_problem(&p)) return STATUS_BAD_DTYPE;
+    int num_tiles = 0;
+    for (int seq = 0; seq < num_seqs; seq++) {
+        if (query_lens[seq] < 1) return STATUS_BAD_CONTEXT_LEN;
+        num_tiles += (query_lens[seq] + PREFILL_TILE - 1) / PREFILL_TILE;
+    }
+    int32_t *tiles = (int32_t *)malloc(sizeof(int32_t) * 2 * (size_t)num_tiles); /* (sequence, first token) */
+    if (tiles == NULL) return STATUS_NO_MEMORY;
+    for (int seq = 0, tile = 0; seq < num_seqs; seq++)
+        for (int start = 0; start < query_lens[seq]; start += PREFILL_TILE, tile++)
+            tiles[2 * tile] = seq, tiles[2 * tile + 1] = start;
+    int status = STATUS_OK;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tiles * num_kv_heads > 1)
+    {
+        Scratch s = {0};
+        float *base = alloc_scratch(&s, PREFILL_TILE * (num_heads / num_kv_heads), head_dim);
+        if (base == NULL) {
+#pragma omp atomic write
+            status = STATUS_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_tiles * num_kv_heads; item++) {
+            int tile = item / num_kv_heads, seq = tiles[2 * tile];
+            int code = base ? attend_prefill_tile(&p, seq, query_starts[seq], query_lens[seq], tiles[2 * tile + 1],
+                                                  item % num_kv_heads, &s)
+                            : STATUS_OK;
+            if (code != STATUS_OK) {
+#pragma omp atomic write
+                status = code;
+            }
+        }
+        free(base);
+    }
+    free(tiles);
     return status;
 }
 
