@@ -1,5 +1,5 @@
-"""Fast CPU paged-attention decode: ``csrc/paged_attention.c``, built at first use by
-``c_library`` (cached per source, compiler and machine).
+"""Fast CPU paged attention, decode and prefill: ``csrc/paged_attention.c``, built at first use
+by ``c_library`` (cached per source, compiler and machine).
 
 Invariants:
 - ``is_available()`` never raises: without a compiler, or when the build or
@@ -37,15 +37,13 @@ _STATUS_MESSAGES = {
 _ARGTYPES = (
     [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
 )
-
-
-_PREFILL_ARGTYPES = (
-    [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
-)
+_PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 
 
 @dataclass(frozen=True)
 class Kernel:
+    """The library's entry points (each returns a status code, 0 for success)."""
+
     decode: Callable[..., int]
     prefill: Callable[..., int]
     prefill_supported: Callable[[int, int], int]
