@@ -74,7 +74,9 @@ typedef struct {
     float *acc;     /* [queries, head_dim] */
     float *scores;  /* [queries, CHUNK_TOKENS], probabilities after update */
     float *row;     /* [head_dim] converted query row */
-    float *converted; /* [CHUNK_TOKENS, head_dim] K or V rows converted to float */
+    float *converted; /* [CHUNK_TOKENS, head_dim] K or V rows converted to float; the AVX-512 bf16
+                         path's V pairs of a chunk */
+    uint32_t *weight_pairs; /* [queries, CHUNK_TOKENS / 2] bf16 pairs of weights (AVX-512 bf16 path) */
     float *max;     /* [queries] running max */
     float *sum;     /* [queries] running sum of exp */
     int64_t slots[CHUNK_TOKENS];
@@ -391,6 +393,97 @@ static void accumulate_heads(const Problem *p, const char *first, int64_t row_st
     }
 }
 
+/* A run of a chunk's tokens inside one block: its rows of every kv head are contiguous. */
+typedef struct {
+    const char *keys, *values; /* the first row, kv head 0 */
+    int start, length;         /* its tokens' place in the chunk */
+} Segment;
+
+#if defined(__AVX512BF16__)
+/* The bf16 V rows of a chunk (one kv head), interleaved by pairs of keys into s->converted: for
+ * key pair k and element i, (v[2k][i], v[2k+1][i]) at pairs[k * 2d + 2i], a zero row after an
+ * odd last key. The bf16 dot instruction then adds both keys' products into one fp32 lane. */
+static void pack_value_pairs(const Problem *p, const Segment *segments, int num_segments, int64_t head_offset,
+                             int64_t row_stride, Scratch *s) {
+    int d = p->head_dim;
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    const uint16_t *rows[CHUNK_TOKENS + 1];
+    int n = 0;
+    for (int i = 0; i < num_segments; i++)
+        for (int t = 0; t < segments[i].length; t++)
+            rows[n++] = (const uint16_t *)(segments[i].values + head_offset + t * row_stride);
+    uint16_t *pairs = (uint16_t *)s->converted;
+    for (int k = 0; 2 * k < n; k++) {
+        const uint16_t *first = rows[2 * k], *second = 2 * k + 1 < n ? rows[2 * k + 1] : NULL;
+        for (int i = 0; i < d; i += 32) {
+            __m512i x = _mm512_loadu_si512(first + i);
+            __m512i y = second ? _mm512_loadu_si512(second + i) : _mm512_setzero_si512();
+            _mm512_storeu_si512(pairs + (size_t)k * 2 * d + 2 * i, _mm512_permutex2var_epi16(x, low, y));
+            _mm512_storeu_si512(pairs + (size_t)k * 2 * d + 2 * i + 32, _mm512_permutex2var_epi16(x, high, y));
+        }
+    }
+}
+
+/* Rows r in [row0, row0 + num_rows): their n chunk weights as bf16 pairs (0 past n). */
+static void pack_weight_pairs(int row0, int num_rows, int n, Scratch *s) {
+    for (int r = row0; r < row0 + num_rows; r++)
+        for (int t = 0; t < n; t += 32) {
+            __mmask16 first = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+            __mmask16 second = n - t >= 32 ? 0xFFFF : n - t <= 16 ? 0 : (__mmask16)((1u << (n - t - 16)) - 1);
+            __m512 a = _mm512_maskz_loadu_ps(first, s->scores + r * CHUNK_TOKENS + t);
+            __m512 b = _mm512_maskz_loadu_ps(second, s->scores + r * CHUNK_TOKENS + t + 16);
+            _mm512_storeu_si512(s->weight_pairs + r * (CHUNK_TOKENS / 2) + t / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+}
+
+/* acc_r += sum_t weights[r][t] * v_t over output elements i0 .. i0 + 16 * tile of `count` rows
+ * from row0, on the packed pairs (two keys per bf16 dot instruction). */
+static inline __attribute__((always_inline)) void accumulate_pairs_tile(const Problem *p, int num_pairs, int i0,
+                                                                        int row0, Scratch *s, const int tile,
+                                                                        const int count) {
+    int d = p->head_dim;
+    const uint16_t *pairs = (const uint16_t *)s->converted;
+    __m512 acc[4][MAX_VECTOR_GROUP];
+    for (int a = 0; a < tile; a++)
+        for (int g = 0; g < count; g++) acc[a][g] = _mm512_loadu_ps(s->acc + (size_t)(row0 + g) * d + i0 + 16 * a);
+    for (int k = 0; k < num_pairs; k++)
+        for (int a = 0; a < tile; a++) {
+            __m512bh v = (__m512bh)_mm512_loadu_si512(pairs + (size_t)k * 2 * d + 2 * (i0 + 16 * a));
+            for (int g = 0; g < count; g++) {
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)s->weight_pairs[(row0 + g) * (CHUNK_TOKENS / 2) + k]);
+                acc[a][g] = _mm512_dpbf16_ps(acc[a][g], v, w);
+            }
+        }
+    for (int a = 0; a < tile; a++)
+        for (int g = 0; g < count; g++) _mm512_storeu_ps(s->acc + (size_t)(row0 + g) * d + i0 + 16 * a, acc[a][g]);
+}
+
+#define PAIRS_CASE(tile, count) \
+    case (tile) * 16 + (count): \
+        for (int i0 = 0; i0 < d; i0 += 16 * (tile)) accumulate_pairs_tile(p, num_pairs, i0, head0, s, tile, count); \
+        break;
+
+/* The bf16 form of accumulate_heads over a whole chunk of n keys: V rows packed by pairs once
+ * for all `num_rows` rows, weights rounded to bf16 (as SDPA rounds them for its bf16 product). */
+static void accumulate_chunk_bf16(const Problem *p, const Segment *segments, int num_segments, int64_t head_offset,
+                                  int64_t row_stride, int n, int row0, int num_rows, Scratch *s) {
+    int d = p->head_dim, num_pairs = (n + 1) / 2;
+    pack_value_pairs(p, segments, num_segments, head_offset, row_stride, s);
+    pack_weight_pairs(row0, num_rows, n, s);
+    for (int head0 = row0; head0 < row0 + num_rows; head0 += MAX_VECTOR_GROUP) {
+        int count = row0 + num_rows - head0 < MAX_VECTOR_GROUP ? row0 + num_rows - head0 : MAX_VECTOR_GROUP;
+        int tile = count <= 3 && d % 64 == 0 ? 4 : count <= 6 ? 2 : 1;
+        switch (tile * 16 + count) {
+            PAIRS_CASE(4, 1) PAIRS_CASE(4, 2) PAIRS_CASE(4, 3)
+            PAIRS_CASE(2, 1) PAIRS_CASE(2, 2) PAIRS_CASE(2, 3) PAIRS_CASE(2, 4) PAIRS_CASE(2, 5) PAIRS_CASE(2, 6)
+            PAIRS_CASE(1, 7) PAIRS_CASE(1, 8)
+        }
+    }
+}
+#endif
+
 /* Ask for the K and V rows (all kv heads) of positions [start, end) of a block table before
  * they are read (the next chunk's, while this one is computed): blocks sit anywhere in the
  * pool, so the hardware prefetcher cannot guess the next one. */
@@ -410,12 +503,6 @@ static void prefetch_tokens(const Problem *p, const int32_t *table, int start, i
         pos += length;
     }
 }
-
-/* A run of a chunk's tokens inside one block: its rows of every kv head are contiguous. */
-typedef struct {
-    const char *keys, *values; /* the first row, kv head 0 */
-    int start, length;         /* its tokens' place in the chunk */
-} Segment;
 
 /* The next chunk of positions [*pos, end): at most CHUNK_TOKENS of them, as runs inside blocks
  * (`*n` tokens in all); advances *pos past it and asks for the chunk after it. Returns the
@@ -475,6 +562,14 @@ static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
             }
         }
         update_softmax(d, num_heads, n, s);
+#if defined(__AVX512BF16__)
+        if (p->dtype == DTYPE_BF16) {
+            for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
+                accumulate_chunk_bf16(p, segments, num_segments, (int64_t)kv_head * d * element_size(p->dtype),
+                                      row_stride, n, kv_head * group, group, s);
+            continue;
+        }
+#endif
         for (int i = 0; i < num_segments; i++)
             for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
                 accumulate_heads(p, segments[i].values + (int64_t)kv_head * d * element_size(p->dtype), row_stride,
@@ -522,6 +617,12 @@ static int attend_prefill_tile(const Problem *p, int seq, int query_start, int q
             for (int t = first_masked > 0 ? first_masked : 0; t < n; t++) scores[t] = -INFINITY;
         }
         update_softmax(d, num_rows, n, s);
+#if defined(__AVX512BF16__)
+        if (p->dtype == DTYPE_BF16) {
+            accumulate_chunk_bf16(p, segments, num_segments, head_offset, row_stride, n, 0, num_rows, s);
+            continue;
+        }
+#endif
         for (int i = 0; i < num_segments; i++)
             accumulate_heads(p, segments[i].values + head_offset, row_stride, segments[i].length,
                              s->scores + segments[i].start, 0, num_rows, s);
@@ -545,7 +646,7 @@ static int attend_prefill_tile(const Problem *p, int seq, int query_start, int q
 #endif
 
 static float *alloc_scratch(Scratch *s, int num_queries, int d) {
-    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 2) + (size_t)(CHUNK_TOKENS + 1) * d;
+    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 2 + CHUNK_TOKENS / 2) + (size_t)(CHUNK_TOKENS + 1) * d;
     float *base = (float *)malloc(sizeof(float) * floats);
     if (base == NULL) return NULL;
     s->q = base;
@@ -555,6 +656,7 @@ static float *alloc_scratch(Scratch *s, int num_queries, int d) {
     s->sum = s->max + num_queries;
     s->row = s->sum + num_queries;
     s->converted = s->row + d;
+    s->weight_pairs = (uint32_t *)(s->converted + (size_t)CHUNK_TOKENS * d);
     return base;
 }
 
