@@ -1,12 +1,12 @@
-"""Micro-benchmark: C paged decode kernel vs torch gather + SDPA on CPU, and cascade vs plain.
+"""Micro-benchmark: C paged decode kernel vs torch gather + SDPA on CPU, and the C prefill
+kernel vs SDPA.
 
 Decode step of one layer: batch 32, context 1024, 9 query / 3 kv heads,
 head_dim 64 (SmolLM2-135M's attention shape), block size 16, blocks scattered
 over the pool. Prints the median of repeated timings per dtype.
 
-Then the shared-system shape: 4 groups of 16 sequences whose first 1024 tokens are the same
-blocks, each with its own 128-token tail. The kernel with `groups` (cascade: each group's
-prefix read once) against the same kernel without (plain paged: every sequence reads it).
+Then one causal prefill of 512 and of 2048 tokens: the C prefill kernel over the paged pool
+(where this CPU runs it: AVX-512) against SDPA on the same K/V laid out densely.
 
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
@@ -35,23 +35,6 @@ def make_inputs(dtype: torch.dtype):
     q = torch.randn(NUM_SEQS, NUM_HEADS, HEAD_DIM).to(dtype)
     context_lens = torch.full((NUM_SEQS,), CONTEXT_LEN, dtype=torch.int32)
     return q, k_cache, v_cache, block_tables, context_lens
-
-
-def make_shared_prefix_inputs(num_groups: int, group_size: int, prefix_len: int, tail_len: int):
-    """Fp32 inputs where each group's sequences share their prefix blocks, plus the groups tensor."""
-    prefix_blocks, tail_blocks = prefix_len // BLOCK_SIZE, tail_len // BLOCK_SIZE
-    num_seqs = num_groups * group_size
-    num_blocks = num_groups * prefix_blocks + num_seqs * tail_blocks
-    ids = torch.randperm(num_blocks).to(torch.int32)
-    prefixes = ids[:num_groups * prefix_blocks].reshape(num_groups, prefix_blocks)
-    tails = ids[num_groups * prefix_blocks:].reshape(num_seqs, tail_blocks)
-    block_tables = torch.cat([prefixes.repeat_interleave(group_size, dim=0), tails], dim=1).contiguous()
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM)
-    context_lens = torch.full((num_seqs,), prefix_len + tail_len, dtype=torch.int32)
-    groups = torch.tensor([[g * group_size, (g + 1) * group_size, prefix_len] for g in range(num_groups)],
-                          dtype=torch.int32)
-    return (q, torch.randn(cache_shape), torch.randn(cache_shape), block_tables, context_lens), groups
 
 
 def torch_gather_sdpa(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -95,19 +78,38 @@ def main(argv: list[str] | None = None) -> None:
         diff = (cpu_attention.paged_decode_attention(*args).float() - torch_gather_sdpa(*args).float()).abs().max()
         name = str(dtype).removeprefix("torch.")
         print(f"{name:<10}{kernel_ms:>12.3f}{torch_ms:>17.3f}{torch_ms / kernel_ms:>9.1f}x{diff.item():>15.2e}")
-    compare_cascade(repeats, scale)
+    compare_prefill(max(3, repeats // 10), scale)
 
 
-def compare_cascade(repeats: int, scale: float) -> None:
-    """Shared-system decode: cascade (groups) against plain paged attention, same kernel, fp32."""
-    args, groups = make_shared_prefix_inputs(num_groups=4, group_size=16, prefix_len=1024, tail_len=128)
-    plain_ms = median_ms(cpu_attention.paged_decode_attention, (*args, scale), repeats)
-    cascade_ms = median_ms(lambda: cpu_attention.paged_decode_attention(*args, scale, groups=groups), (), repeats)
-    diff = (cpu_attention.paged_decode_attention(*args, scale, groups=groups)
-            - cpu_attention.paged_decode_attention(*args, scale)).abs().max()
-    print("\nshared prefix: 4 groups x 16 seqs, 1024 shared + 128 own tokens, float32")
-    print(f"{'plain ms':>10}{'cascade ms':>12}{'speedup':>10}{'max abs diff':>15}")
-    print(f"{plain_ms:>10.3f}{cascade_ms:>12.3f}{plain_ms / cascade_ms:>9.1f}x{diff.item():>15.2e}")
+def compare_prefill(repeats: int, scale: float) -> None:
+    """One sequence's causal prefill, every token a query: prefill kernel against SDPA."""
+    print(f"\nprefill, one sequence, causal\n{'dtype':<10}{'tokens':>7}{'kernel ms':>11}{'sdpa ms':>9}{'speedup':>9}"
+          f"{'kernel GFLOP/s':>16}{'max abs diff':>14}")
+    for dtype in (torch.float32, torch.bfloat16):
+        if not cpu_attention.prefill_supported(dtype, HEAD_DIM):
+            print(f"{str(dtype).removeprefix('torch.'):<10} the prefill kernel does not run here (needs AVX-512)")
+            continue
+        for num_tokens in (512, 2048):
+            k_cache = torch.randn(num_tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+            v_cache = torch.randn_like(k_cache)
+            q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
+            out = torch.empty_like(q)
+            layout = (torch.arange(num_tokens // BLOCK_SIZE, dtype=torch.int32)[None],
+                      torch.tensor([num_tokens], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                      torch.tensor([num_tokens], dtype=torch.int32))
+            dense = [t.view(num_tokens, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None] for t in (k_cache, v_cache)]
+
+            def sdpa():
+                return F.scaled_dot_product_attention(q.transpose(0, 1)[None], *dense, is_causal=True, scale=scale,
+                                                      enable_gqa=True)[0].transpose(0, 1)
+
+            kernel_ms = median_ms(lambda: cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *layout, scale, out),
+                                  (), repeats)
+            sdpa_ms = median_ms(sdpa, (), repeats)
+            diff = (out.float() - sdpa().float()).abs().max()
+            flops = 4 * NUM_HEADS * HEAD_DIM * num_tokens * num_tokens / 2
+            print(f"{str(dtype).removeprefix('torch.'):<10}{num_tokens:>7}{kernel_ms:>11.2f}{sdpa_ms:>9.2f}"
+                  f"{sdpa_ms / kernel_ms:>8.2f}x{flops / kernel_ms / 1e6:>16.0f}{diff.item():>14.2e}")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,23 @@ def test_roofline_tiny_reports_bounds(tmp_path, one_thread):
     assert len(report["rows"]) == len(sizes.batches) * len(sizes.contexts) + 1
     for row in report["rows"]:
         assert row["measured_s"] > 0 and row["bound_s"] == max(row["memory_bound_s"], row["compute_bound_s"])
+        assert row["matmul_bound_s"] > 0 and row["measured_over_matmul_bound"] == row["measured_s"] / row["matmul_bound_s"]
     assert json.loads(out.read_text())["matmul_flops_per_s"].keys() == {"float32", "bfloat16"}
+
+
+def test_step_products_are_the_fused_steps_own_where_it_runs():
+    from batchgen import LLM
+    from tests.conftest import tiny_model, tiny_tokenizer
+
+    model = tiny_model()
+    for fused in (True, False):
+        runner = LLM(model, tokenizer=tiny_tokenizer(), fused_step=fused, kv_cache_memory=2**20).engine.runner
+        products = roofline.step_products(runner, num_tokens=5, num_logits=2)
+        assert len(products) == (4 if fused else 7) * model.config.num_hidden_layers + 1
+        with torch.inference_mode():
+            outputs = [product(x) for product, x in products]
+        assert outputs[-1].shape[-1] == model.config.vocab_size  # the lm_head, at the logit rows
+        assert outputs[-1].shape[0] == (32 if fused else 2)  # the fused step pads rows to its bucket
 
 
 def test_roofline_step_shapes_from_the_command_line(tmp_path, one_thread):
@@ -124,21 +140,20 @@ def test_cpu_linear_bench_prints_both_paths(capsys):
     assert all(float(line.split()[-1]) < 1e-4 for line in lines[-2:])  # relative difference of the results
 
 
-def test_cpu_attention_bench_compares_cascade_with_plain(capsys):
+def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
     from batchgen.kernels import cpu_attention
     if not cpu_attention.is_available():
         pytest.skip("no C compiler for the CPU kernel")
     bench_cpu_attention.main(["--repeats", "1"])
-    out = capsys.readouterr().out
-    assert "cascade ms" in out and float(out.splitlines()[-1].split()[-1]) < 1e-4
-
-
-def test_shared_prefix_inputs_share_exactly_the_prefix_blocks():
-    (q, _, _, block_tables, context_lens), groups = bench_cpu_attention.make_shared_prefix_inputs(2, 3, 32, 16)
-    assert q.shape[0] == 6 and context_lens.tolist() == [48] * 6 and groups.tolist() == [[0, 3, 32], [3, 6, 32]]
-    assert block_tables[:3, :2].unique(dim=0).shape[0] == 1 and block_tables[3:, :2].unique(dim=0).shape[0] == 1
-    assert not set(block_tables[:3, :2].flatten().tolist()) & set(block_tables[3:, :2].flatten().tolist())
-    assert len(set(block_tables[:, 2].tolist())) == 6
+    lines = capsys.readouterr().out.splitlines()
+    decode = lines[lines.index(next(line for line in lines if "gather+sdpa ms" in line)) + 1:][:2]
+    assert [line.split()[0] for line in decode] == ["float32", "bfloat16"] and float(decode[0].split()[-1]) < 1e-4
+    prefill = lines[lines.index(next(line for line in lines if "kernel GFLOP/s" in line)) + 1:]
+    if cpu_attention.prefill_supported(torch.float32, bench_cpu_attention.HEAD_DIM):
+        fp32 = [float(line.split()[-1]) for line in prefill if line.startswith("float32")]
+        bf16 = [float(line.split()[-1]) for line in prefill if line.startswith("bfloat16")]
+        assert len(fp32) == len(bf16) == 2  # 512 and 2048 tokens
+        assert max(fp32) < 1e-4 and max(bf16) < 5e-2  # the kernel's largest difference from SDPA
 
 
 def test_profile_splits_each_systems_time(tmp_path, one_thread, capsys):

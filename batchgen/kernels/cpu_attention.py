@@ -7,10 +7,6 @@ Invariants:
 - The kernel reads K/V in place from the paged cache (no gather), computes in
   float32 with an online softmax and writes every element of its output.
 - It runs on ``torch.get_num_threads()`` OpenMP threads, sharing torch's pool.
-- A shared prefix (``groups``) is attended by batched matrix products in torch (its K and V
-  read once for every query of its group; products in the cache's dtype, as transformers'
-  eager attention computes them, softmax state in float32); the kernel then continues each
-  sequence from that state over its own tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.attention import padded_context_slots
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.decode_inputs import check_decode_inputs
 
@@ -32,10 +27,9 @@ _STATUS_MESSAGES = {
     2: "a block table entry is outside [0, num_blocks)",
     3: "this dtype is not supported by the compiled kernel",
     4: "the kernel could not allocate its scratch memory",
-    5: "a shared-prefix group is out of range, overlaps another, or is not shorter than a member's context",
 }
 _ARGTYPES = (
-    [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
+    [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 )
 _PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 
@@ -86,14 +80,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
-
-    ``groups``: optional int32 [num_groups, 3] rows (first, end, prefix_tokens): sequences
-    first..end-1 share their first ``prefix_tokens`` tokens in the same blocks (each shorter
-    than its context; groups disjoint). That prefix is then read once per group (cascade
-    attention); the result is the same attention.
 
     ``q``: [num_seqs, num_heads, head_dim], the token at position
     ``context_lens[s] - 1`` whose own K/V are already in the cache;
@@ -112,9 +100,6 @@ def paged_decode_attention(
         raise ValueError("this compiler build of the kernel has no float16 support")
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    prefix_lens, state = None, None
-    if groups is not None:
-        prefix_lens, state = shared_prefix_states(q, k_cache, v_cache, block_tables, context_lens, groups, scale)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
@@ -123,7 +108,7 @@ def paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
-        torch.get_num_threads(), _pointer(prefix_lens), _pointer(state),
+        torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"paged_decode_attention: {_STATUS_MESSAGES.get(status, f'status {status}')}")
@@ -162,52 +147,3 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"paged_prefill_attention: {_STATUS_MESSAGES.get(status, f'status {status}')}")
     return True
 
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
-def _check_groups(groups: torch.Tensor, context_lens: torch.Tensor) -> list[list[int]]:
-    """The groups as [first, end, prefix_tokens] lists; ValueError unless they are in range,
-    disjoint, and each prefix is shorter than every member's context."""
-    if groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[1] != 3:
-        raise ValueError(f"groups must be an int32 [num_groups, 3] tensor, got {groups.dtype} {tuple(groups.shape)}")
-    rows, lens, last_end = groups.tolist(), context_lens.tolist(), 0
-    for first, end, prefix in sorted(rows):
-        if first < last_end or end > len(lens) or first >= end or prefix < 0 or prefix >= min(lens[first:end]):
-            raise ValueError(f"paged_decode_attention: {_STATUS_MESSAGES[5]}")
-        last_end = end
-    return rows
-
-
-def shared_prefix_states(q, k_cache, v_cache, block_tables, context_lens, groups, scale):
-    """(prefix_lens int32 [S], state float32 [S, H, D + 2]): for each member of a group, its
-    shared prefix length and, per query head, the online-softmax (max, sum, accumulator) over
-    that prefix. All groups run as one padded batch of matrix products."""
-    rows = _check_groups(groups, context_lens)
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    firsts = torch.tensor([first for first, _, _ in rows])
-    sizes = torch.tensor([end - first for first, end, _ in rows])
-    prefixes = torch.tensor([prefix for _, _, prefix in rows])
-    max_size, max_prefix = int(sizes.max()), int(prefixes.max())
-    members = firsts[:, None] + torch.minimum(torch.arange(max_size)[None], sizes[:, None] - 1)  # [G, N]
-    slots = padded_context_slots(block_tables[firsts], prefixes, max_prefix, block_size)  # [G, P]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].permute(0, 2, 3, 1)  # [G, Hkv, D, P]
-    values = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [G, Hkv, P, D]
-    queries = (q[members].view(len(rows), max_size, num_kv_heads, group, head_dim)
-               .permute(0, 2, 1, 3, 4).reshape(len(rows), num_kv_heads, max_size * group, head_dim))
-    scores = torch.matmul(queries, keys).float() * scale  # [G, Hkv, N * g, P]
-    scores.masked_fill_((torch.arange(max_prefix)[None] >= prefixes[:, None])[:, None, None], float("-inf"))
-    running_max = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - running_max)
-    accumulator = torch.matmul(weights.to(values.dtype), values).float()  # [G, Hkv, N * g, D]
-    combined = torch.cat([running_max, weights.sum(-1, keepdim=True), accumulator], -1)
-    combined = combined.view(len(rows), num_kv_heads, max_size, group, head_dim + 2).permute(0, 2, 1, 3, 4)
-    is_member = torch.arange(max_size)[None] < sizes[:, None]
-    state = torch.zeros((num_seqs, num_heads, head_dim + 2), dtype=torch.float32)
-    state[members[is_member]] = combined[is_member].reshape(-1, num_heads, head_dim + 2)
-    prefix_lens = torch.zeros(num_seqs, dtype=torch.int32)
-    prefix_lens[members[is_member]] = prefixes[:, None].expand(-1, max_size)[is_member].to(torch.int32)
-    return prefix_lens, state

@@ -105,41 +105,6 @@ def test_builds_into_cache_dir(monkeypatch, tmp_path):
         cpu_attention._load_kernel.cache_clear()
 
 
-def shared_prefix_inputs(dtype, seed):
-    """Five sequences: 0-2 share their first 3 blocks, 3-4 their first block (same block ids)."""
-    q, k_cache, v_cache, _, _ = make_inputs([40 * BLOCK_SIZE], 9, 3, 64, dtype, seed)
-    block_ids = torch.randperm(40, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
-    q = torch.randn((5, 9, 64), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    shared_a, shared_b, own = block_ids[:3], block_ids[3:4], iter(block_ids[4:].split(4))
-    tables = [torch.cat([shared_a, next(own)]) for _ in range(3)] + [torch.cat([shared_b, next(own)]) for _ in range(2)]
-    context_lens = torch.tensor([3 * BLOCK_SIZE + 2, 4 * BLOCK_SIZE, 6 * BLOCK_SIZE + 1, 20, 17], dtype=torch.int32)
-    block_tables = torch.zeros((5, 8), dtype=torch.int32)
-    for row, table in enumerate(tables):
-        block_tables[row, : len(table)] = table
-    return q, k_cache, v_cache, block_tables, context_lens
-
-
-@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
-def test_shared_prefix_groups_give_the_same_attention(dtype, atol, rtol):
-    q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(dtype, seed=21)
-    groups = torch.tensor([[0, 3, 3 * BLOCK_SIZE], [3, 5, BLOCK_SIZE]], dtype=torch.int32)
-    out = torch.full_like(q, float("nan"))
-    cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125, out=out, groups=groups)
-    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
-    assert not torch.isnan(out).any()
-    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
-    plain = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
-    assert ((out.double() - plain.double()).abs() <= atol + rtol * expected.abs()).all()
-
-
-@pytest.mark.parametrize("groups", [[[0, 3, 3 * BLOCK_SIZE + 2]], [[0, 3, 16], [2, 4, 16]], [[0, 6, 16]], [[2, 1, 16]]])
-def test_bad_shared_prefix_groups_are_refused(groups):
-    q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(torch.float32, seed=22)
-    with pytest.raises(ValueError, match="shared-prefix group"):
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125,
-                                             groups=torch.tensor(groups, dtype=torch.int32))
-
-
 def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
     """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

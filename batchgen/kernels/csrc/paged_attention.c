@@ -1,6 +1,7 @@
 /*
- * Paged-attention decode for CPUs: one query token per sequence attends to
- * that sequence's keys and values, read in place from the paged KV cache.
+ * Paged attention for CPUs: decode (one query token per sequence) and prefill
+ * chunks attend to their sequence's keys and values, read in place from the
+ * paged KV cache.
  *
  * Layout (fixed by the engine):
  *   q, out            [num_seqs, num_heads, head_dim]
@@ -11,15 +12,16 @@
  *   block_tables[s][p / block_size] * block_size + p % block_size.
  * Query head h reads kv head h / (num_heads / num_kv_heads).
  *
- * Work is split over (sequence, kv head) pairs. A pair handles every query
- * head of its group at once, so each K and V row is read from memory once.
+ * Decode work is split over (sequence, kv head) pairs; a pair handles every
+ * query head of its group at once, so each K and V row is read from memory
+ * once. With AVX-512 (float32 / bfloat16, head_dim a multiple of 32) a work
+ * item is a whole sequence instead, read 64 tokens at a time over runs of
+ * blocks (each block's rows of every kv head are contiguous), the next chunk
+ * prefetched; bf16 products use the AVX512-BF16 dot instruction where present.
  *
- * Shared prefixes (cascade attention): the caller computes, for each query
- * head of a sequence whose first `prefix_lens[s]` tokens are shared with
- * other sequences, the online-softmax state (max, sum, accumulator) over
- * that prefix (one matrix product per group: the prefix's K and V are read
- * once for all its sequences). The kernel starts such a sequence from that
- * state and reads only its own tokens. The result is the same attention.
+ * Prefill (AVX-512 only): causal attention of prefill chunks over the pool,
+ * work items (sequence, 16 query tokens, kv head).
+ *
  * Math is float32 with an online softmax: scores are computed for a chunk of
  * tokens, then the running max, running sum and accumulators are updated
  * once per chunk. Every output element is written, or an error is returned.
@@ -37,8 +39,7 @@ enum {
     STATUS_BAD_CONTEXT_LEN = 1,
     STATUS_BAD_BLOCK_ID = 2,
     STATUS_BAD_DTYPE = 3,
-    STATUS_NO_MEMORY = 4,
-    STATUS_BAD_GROUP = 5
+    STATUS_NO_MEMORY = 4
 };
 
 #define CHUNK_TOKENS 64
@@ -60,14 +61,7 @@ typedef struct {
     int num_seqs, num_heads, num_kv_heads, head_dim;
     int num_blocks, block_size, max_blocks, dtype;
     float scale;
-    const int32_t *prefix_lens; /* [num_seqs] tokens whose state is given (0: none), or NULL */
-    const float *state;         /* [num_seqs, num_heads, head_dim + 2]: max, sum, accumulator */
 } Problem;
-
-/* Online-softmax state of one query head: running max, running sum, accumulator. */
-typedef struct {
-    float *max, *sum, *acc;
-} HeadState;
 
 typedef struct {
     float *q;       /* [queries, head_dim], pre-scaled */
@@ -224,13 +218,6 @@ static void load_query(const Problem *p, int seq, int head, int slot, Scratch *s
     for (int i = 0; i < d; i++) s->q[(size_t)slot * d + i] = q[i] * p->scale;
 }
 
-/* The given prefix state of query head `head` of sequence `seq`. */
-static HeadState prefix_state(const Problem *p, int seq, int head) {
-    float *base = (float *)p->state + ((int64_t)seq * p->num_heads + head) * (p->head_dim + 2);
-    HeadState state = {base, base + 1, base + 2};
-    return state;
-}
-
 /* Attend the `num_queries` loaded queries to positions [start, end) of `table` for `kv_head`,
  * updating their online-softmax state in the scratch. */
 static int attend_range(const Problem *p, const int32_t *table, int start, int end, int kv_head,
@@ -256,25 +243,15 @@ static void reset_state(int d, int num_queries, Scratch *s) {
     memset(s->acc, 0, sizeof(float) * (size_t)num_queries * d);
 }
 
-/* A sequence's own tokens, starting from its prefix state when it has one. */
+/* A sequence's tokens for the query heads of one kv head. */
 static int attend_pair(const Problem *p, int seq, int kv_head, Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
-    if (prefix < 0 || prefix >= context_len) return STATUS_BAD_GROUP;
     reset_state(d, group, s);
-    for (int g = 0; g < group; g++) {
-        load_query(p, seq, kv_head * group + g, g, s);
-        if (prefix > 0) {
-            HeadState state = prefix_state(p, seq, kv_head * group + g);
-            s->max[g] = *state.max;
-            s->sum[g] = *state.sum;
-            memcpy(s->acc + (size_t)g * d, state.acc, sizeof(float) * d);
-        }
-    }
-    int code = attend_range(p, table, prefix, context_len, kv_head, group, s);
+    for (int g = 0; g < group; g++) load_query(p, seq, kv_head * group + g, g, s);
+    int code = attend_range(p, table, 0, context_len, kv_head, group, s);
     if (code != STATUS_OK) return code;
     size_t row_bytes = (size_t)d * element_size(p->dtype);
     int64_t first_head = (int64_t)seq * p->num_heads + (int64_t)kv_head * group;
@@ -526,29 +503,18 @@ static int next_chunk(const Problem *p, const int32_t *table, int *pos, int end,
 }
 
 /* One sequence, every kv head, CHUNK_TOKENS tokens at a time (runs of whole blocks, each
- * block's rows of all heads one contiguous run of the pool), starting from its prefix state
- * when it has one. */
+ * block's rows of all heads one contiguous run of the pool). */
 static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
     int d = p->head_dim, bs = p->block_size, num_heads = p->num_heads;
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * bs) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
-    if (prefix < 0 || prefix >= context_len) return STATUS_BAD_GROUP;
     reset_state(d, num_heads, s);
-    for (int h = 0; h < num_heads; h++) {
-        load_query(p, seq, h, h, s);
-        if (prefix > 0) {
-            HeadState state = prefix_state(p, seq, h);
-            s->max[h] = *state.max;
-            s->sum[h] = *state.sum;
-            memcpy(s->acc + (size_t)h * d, state.acc, sizeof(float) * d);
-        }
-    }
+    for (int h = 0; h < num_heads; h++) load_query(p, seq, h, h, s);
     int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
     int group = num_heads / p->num_kv_heads;
     Segment segments[CHUNK_TOKENS];
-    for (int pos = prefix; pos < context_len;) {
+    for (int pos = 0; pos < context_len;) {
         int n = 0, num_segments = next_chunk(p, table, &pos, context_len, segments, &n);
         if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
         for (int i = 0; i < num_segments; i++) {
@@ -665,19 +631,17 @@ static float *alloc_scratch(Scratch *s, int num_queries, int d) {
 int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                               const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                               int num_heads, int num_kv_heads, int head_dim, int num_blocks,
-                              int block_size, int max_blocks, float scale, int dtype, int num_threads,
-                              const int32_t *prefix_lens, const float *state) {
+                              int block_size, int max_blocks, float scale, int dtype, int num_threads) {
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return STATUS_BAD_DTYPE;
 #endif
     if (dtype < DTYPE_F32 || dtype > DTYPE_F16) return STATUS_BAD_DTYPE;
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale,
-                 prefix_lens, state};
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale};
     int status = STATUS_OK;
     int64_t work = 0;
     for (int seq = 0; seq < num_seqs; seq++)
-        work += (int64_t)(context_lens[seq] - (prefix_lens ? prefix_lens[seq] : 0)) * num_kv_heads;
+        work += (int64_t)context_lens[seq] * num_kv_heads;
     int is_vector = is_vector_problem(&p);
     int num_items = is_vector ? num_seqs : num_seqs * num_kv_heads;
     int is_parallel = num_threads > 1 && num_items > 1 && work >= MIN_PARALLEL_WORK;
@@ -722,7 +686,7 @@ int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, co
                                int num_blocks, int block_size, int max_blocks, float scale, int dtype,
                                int num_threads) {
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale};
     if (!is_vector_problem(&p)) return STATUS_BAD_DTYPE;
     int num_tiles = 0;
     for (int seq = 0; seq < num_seqs; seq++) {
