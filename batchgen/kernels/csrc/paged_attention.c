@@ -346,6 +346,17 @@ static inline __attribute__((always_inline)) void accumulate_tile(const Problem 
         for (int g = 0; g < count; g++) _mm512_storeu_ps(s->acc + (size_t)(head0 + g) * d + i0 + 16 * a, acc[a][g]);
 }
 
+/* The register tile for `count` rows of width d: four 16-wide pieces of up to 3 rows, two of
+ * up to 6, one of up to 8 (12 or fewer accumulators). */
+static inline int tile_for(int count, int d) { return count <= 3 && d % 64 == 0 ? 4 : count <= 6 ? 2 : 1; }
+
+/* Runs CASE(tile, count) for the compile-time pair equal to (tile, count). */
+#define TILE_SWITCH(CASE, tile, count) \
+    switch ((tile) * 16 + (count)) { \
+        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4) CASE(2, 5) CASE(2, 6) \
+        CASE(1, 7) CASE(1, 8) \
+    }
+
 #define TILE_CASE(tile, count) \
     case (tile) * 16 + (count): \
         for (int i0 = 0; i0 < d; i0 += 16 * (tile)) \
@@ -354,19 +365,13 @@ static inline __attribute__((always_inline)) void accumulate_tile(const Problem 
 
 /* acc_r += sum_t weights[r][t] * v_t for query rows r in [row0, row0 + num_rows) of the
  * scratch (weights[r][t] at weights[r * CHUNK_TOKENS + t]), all reading the same kv head:
- * `first` is its first V row, rows are `row_stride` bytes apart. Tiles of 12 or fewer
- * accumulators: four 16-wide pieces of up to 3 rows, two of up to 6, one of up to 8. */
+ * `first` is its first V row, rows are `row_stride` bytes apart (register tiles: tile_for). */
 static void accumulate_heads(const Problem *p, const char *first, int64_t row_stride, int n, const float *weights,
                              int row0, int num_rows, Scratch *s) {
     int d = p->head_dim;
     for (int head0 = row0; head0 < row0 + num_rows; head0 += MAX_VECTOR_GROUP) {
         int count = row0 + num_rows - head0 < MAX_VECTOR_GROUP ? row0 + num_rows - head0 : MAX_VECTOR_GROUP;
-        int tile = count <= 3 && d % 64 == 0 ? 4 : count <= 6 ? 2 : 1;
-        switch (tile * 16 + count) {
-            TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3)
-            TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(2, 5) TILE_CASE(2, 6)
-            TILE_CASE(1, 7) TILE_CASE(1, 8)
-        }
+        TILE_SWITCH(TILE_CASE, tile_for(count, d), count)
     }
 }
 
@@ -451,12 +456,7 @@ static void accumulate_chunk_bf16(const Problem *p, const Segment *segments, int
     pack_weight_pairs(row0, num_rows, n, s);
     for (int head0 = row0; head0 < row0 + num_rows; head0 += MAX_VECTOR_GROUP) {
         int count = row0 + num_rows - head0 < MAX_VECTOR_GROUP ? row0 + num_rows - head0 : MAX_VECTOR_GROUP;
-        int tile = count <= 3 && d % 64 == 0 ? 4 : count <= 6 ? 2 : 1;
-        switch (tile * 16 + count) {
-            PAIRS_CASE(4, 1) PAIRS_CASE(4, 2) PAIRS_CASE(4, 3)
-            PAIRS_CASE(2, 1) PAIRS_CASE(2, 2) PAIRS_CASE(2, 3) PAIRS_CASE(2, 4) PAIRS_CASE(2, 5) PAIRS_CASE(2, 6)
-            PAIRS_CASE(1, 7) PAIRS_CASE(1, 8)
-        }
+        TILE_SWITCH(PAIRS_CASE, tile_for(count, d), count)
     }
 }
 #endif
