@@ -22,10 +22,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="w1", unk_token="w2")
 
 
-def tiny_model(family: str = "llama", seed: int = 0):
-    """A 2-layer random model (GQA, 4 query / 2 KV heads) in float32 with spread-out logits."""
+def tiny_model(family: str = "llama", seed: int = 0, hidden_size: int = 64):
+    """A 2-layer random model (GQA, 4 query / 2 KV heads, head_dim hidden_size / 4) in float32
+    with spread-out logits."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   eos_token_id=EOS_ID, bos_token_id=0, initializer_range=0.2, tie_word_embeddings=False)
     if family == "llama":

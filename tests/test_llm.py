@@ -47,6 +47,16 @@ def test_greedy_equals_transformers_generate(family, backend, fused, pack):
     assert llm.stats.num_cached_prompt_tokens > 0
 
 
+@pytest.mark.parametrize("block_size", [8, 5])
+def test_greedy_equals_transformers_at_block_sizes_off_the_kernels_16_key_groups(block_size):
+    # head_dim 32: the CPU kernels' AVX-512 path, where it runs; KV blocks of 8 and 5 tokens
+    model = tiny_model(hidden_size=128)
+    workload = mixed_workload(TINY_VOCAB)
+    expected = [hf_greedy(model, prompt, max_tokens) for prompt, max_tokens in workload]
+    llm = LLM(model, tokenizer=tiny_tokenizer(), block_size=block_size, max_num_batched_tokens=256)
+    assert [o.token_ids for o in run_workload(llm, workload)] == expected
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_small_pool_preempts_and_evicts_with_same_outputs(family):
     model, workload, expected = model_and_oracle(family)

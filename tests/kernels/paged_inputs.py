@@ -27,11 +27,12 @@ def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out
 
 
-def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", pad=0):
+def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", pad=0,
+                block_size=BLOCK_SIZE):
     """Random q and caches, each sequence's blocks scattered over a shuffled pool; block tables
     padded with `pad` past each sequence's blocks (a kernel must never read the padding)."""
     generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + 3
     block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
     block_tables = torch.full((len(context_lens), max(blocks_per_seq) + 1), pad, dtype=torch.int32)
@@ -39,7 +40,7 @@ def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, de
     for s, count in enumerate(blocks_per_seq):
         block_tables[s, :count] = block_ids[offset:offset + count]
         offset += count
-    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
     v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
     q = torch.randn((len(context_lens), num_heads, head_dim), generator=generator).to(dtype)

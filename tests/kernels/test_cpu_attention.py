@@ -39,6 +39,17 @@ def test_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim)
     assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
 
 
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
+@pytest.mark.parametrize("block_size", [5, 8, 24])
+def test_block_sizes_off_the_kernels_16_key_groups_match_reference(dtype, atol, rtol, block_size):
+    """Runs of keys inside a block end mid-way through the AVX-512 path's groups of 16 scores."""
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs(
+        CONTEXT_LENS, 9, 3, 64, dtype, seed=41, pad=-1, block_size=block_size)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
+
+
 def test_single_token_context_returns_its_value():
     q, k_cache, v_cache, block_tables, context_lens = make_inputs([1], 6, 2, 32, torch.float32, seed=1, pad=-1)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
@@ -107,14 +118,14 @@ def test_builds_into_cache_dir(monkeypatch, tmp_path):
 
 def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
     """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
     flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
     flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
     outputs = []
     for s, (context, num_queries) in enumerate(zip(context_lens.tolist(), query_lens)):
         positions = torch.arange(context)
-        slots = block_tables[s, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
         keys = flat_k[slots].repeat_interleave(group, dim=1)  # [context, H, D]
         values = flat_v[slots].repeat_interleave(group, dim=1)
         queries = q[sum(query_lens[:s]):sum(query_lens[:s + 1])].double()  # [Q, H, D]
@@ -127,13 +138,15 @@ def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_len
 
 @pytest.mark.skipif(not cpu_attention.prefill_supported(torch.float32, 64), reason="no AVX-512 prefill path here")
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 32), (16, 1, 64), (8, 2, 96)])
-def test_prefill_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (8, 2, 32, 16), (16, 1, 64, 16), (8, 2, 96, 16), (9, 3, 64, 5)])
+def test_prefill_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim, block_size):
     # chunks: a whole prompt, a chunk after 40 cached tokens, one token, a chunk across many blocks, and one
-    # after 121 cached tokens (its query tiles straddle the kernel's 64-key chunks)
+    # after 121 cached tokens (its query tiles straddle the kernel's 64-key chunks); block size 5: runs of
+    # keys end inside the kernel's 16-key score groups
     context_lens, query_lens = [37, 57, 9, 150, 200], [37, 17, 1, 150, 79]
     _, k_cache, v_cache, block_tables, contexts = make_inputs(context_lens, num_heads, num_kv_heads, head_dim,
-                                                              dtype, seed=31)
+                                                              dtype, seed=31, block_size=block_size)
     q = torch.randn((sum(query_lens), num_heads, head_dim), generator=torch.Generator().manual_seed(32)).to(dtype)
     out = torch.full_like(q, float("nan"))
     starts = torch.tensor([0, 37, 54, 55, 205], dtype=torch.int32)

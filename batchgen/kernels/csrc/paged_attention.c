@@ -292,10 +292,11 @@ static inline __m512 sum16(const __m512 v[16]) {
 
 /* scores[t] = q . k_t for rows t < n (n <= 16) of one block: bfloat16 products on the CPU's
  * bf16 dot instruction where it has one (`q_raw`, the unscaled bf16 query, scaled after), else
- * float32 FMAs with `q_scaled`, the pre-scaled float32 query. Rows t >= n score 0. */
+ * float32 FMAs with `q_scaled`, the pre-scaled float32 query. Only scores[0 .. n) are written. */
 static inline void score_rows16(const Problem *p, const void *q_raw, const float *q_scaled, const char *k,
                                 int64_t row_stride, int n, float *scores) {
     int d = p->head_dim;
+    __mmask16 rows = (__mmask16)((1u << n) - 1); /* only rows t < n are stored: a run may end mid-chunk */
     __m512 acc[16];
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
@@ -306,7 +307,7 @@ static inline void score_rows16(const Problem *p, const void *q_raw, const float
             for (int t = 0; t < n; t++)
                 acc[t] = _mm512_dpbf16_ps(acc[t], q_pairs, (__m512bh)_mm512_loadu_si512((const uint16_t *)(k + t * row_stride) + i));
         }
-        _mm512_storeu_ps(scores, _mm512_mul_ps(_mm512_set1_ps(p->scale), sum16(acc)));
+        _mm512_mask_storeu_ps(scores, rows, _mm512_mul_ps(_mm512_set1_ps(p->scale), sum16(acc)));
         return;
     }
 #endif
@@ -314,7 +315,7 @@ static inline void score_rows16(const Problem *p, const void *q_raw, const float
         __m512 q_part = _mm512_loadu_ps(q_scaled + i);
         for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(q_part, load16(k + t * row_stride, i, p->dtype == DTYPE_BF16), acc[t]);
     }
-    _mm512_storeu_ps(scores, sum16(acc));
+    _mm512_mask_storeu_ps(scores, rows, sum16(acc));
 }
 
 /* The row of query head `head` of packed token `row` in q. */
