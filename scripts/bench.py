@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_models import load_bench_model, lowest_plain_token_id  # noqa: E402
 from bench_systems import PEERS, SYSTEM_NAMES, Peer, available_peers, make_systems  # noqa: E402
+from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
 
 from batchgen.models import local_folder  # noqa: E402
-from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
 
 BLOCK_SIZE = 16
 KV_CACHE_BYTES = {"cpu": 2 * 2**30, "gpu": 32 * 2**30, "tiny": 64 * 2**20}  # per size; the pool of each system

@@ -27,10 +27,13 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from batchgen import LLM, SamplingParams
+from batchgen.models import kv_cache_bytes_per_token
 from bench_workloads import Workload
 
 HF_PAGE_SIZE = 256  # transformers' default page size for continuous batching
 SCRIPTS = Path(__file__).resolve().parent
+
+
 @dataclass
 class RunResult:
     """One run of a workload: token_ids[request][sample]; None where a system cannot tell."""
@@ -114,7 +117,7 @@ class HFGenerateBatch:
         SDPA path materialises attention masks that grow with the cache.
         """
         num_tokens = sum((len(p) + m) * workload.n for p, m in zip(workload.prompt_ids, workload.max_tokens))
-        bytes_per_page = HF_PAGE_SIZE * kv_bytes_per_token(self.model)
+        bytes_per_page = HF_PAGE_SIZE * kv_cache_bytes_per_token(self.model.config.get_text_config(), self.model.dtype)
         num_pages = min(-(-num_tokens // HF_PAGE_SIZE) + len(workload.prompt_ids) * workload.n,
                         self.kv_cache_bytes // bytes_per_page)
         return ContinuousBatchingConfig(allow_block_sharing=True, page_size=HF_PAGE_SIZE, num_blocks=num_pages,
@@ -256,14 +259,6 @@ def peer_python(name: str) -> Path:
 def available_peers() -> list[str]:
     """The peers whose virtualenv exists (scripts/setup_peers.sh builds them)."""
     return [name for name in PEERS if peer_python(name).exists()]
-
-
-def kv_bytes_per_token(model) -> int:
-    """K and V bytes of one token over all layers."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * model.dtype.itemsize
 
 
 SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", "batchgen-nocache", "batchgen")

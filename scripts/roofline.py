@@ -47,8 +47,7 @@ from bench import int_tuple  # noqa: E402
 from bench_models import load_bench_model  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
-from batchgen.engine.fused_decoder import linear as fused_linear  # noqa: E402
-from batchgen.kernels.cpu_linear import ROW_BUCKET  # noqa: E402
+from batchgen.kernels.cpu_linear import bucketed, pack_weights, packed_linear  # noqa: E402
 from batchgen.engine.model_runner import KVCacheSpec  # noqa: E402
 from batchgen.engine.step import ScheduledSeq, ScheduledStep  # noqa: E402
 from batchgen.engine.sequence import Sequence  # noqa: E402
@@ -114,8 +113,8 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, max_n: int, max_cal
         b = torch.randn(n, n, device=device).to(dtype)
         seconds = best_time(lambda: F.linear(a, b), device)
         if device.type == "cpu" and torch.backends.mkldnn.is_available():  # oneDNN with a packed weight
-            packed = (torch.ops.mkldnn._reorder_linear_weight(b), None)
-            seconds = min(seconds, best_time(lambda: fused_linear(a, packed), device))
+            packed = pack_weights([b], [None])
+            seconds = min(seconds, best_time(lambda: packed_linear(a, packed), device))
         rate = max(rate, 2 * n**3 / seconds)
         if 2 * n > max_n or 8 * seconds > max_call_s:
             return rate
@@ -199,12 +198,12 @@ def step_products(runner, num_tokens: int, num_logits: int) -> list[tuple]:
         return ([(m, torch.randn(num_tokens, m.in_features, device=device, dtype=dtype)) for m in linears]
                 + [(head, torch.randn(num_logits, head.in_features, device=device, dtype=dtype))])
     config = model.config.get_text_config()
-    rows, logit_rows = (-(-n // ROW_BUCKET) * ROW_BUCKET for n in (num_tokens, num_logits))
+    rows, logit_rows = bucketed(num_tokens), bucketed(num_logits)
     widths = (config.hidden_size, fused.num_heads * fused.head_dim, config.hidden_size, config.intermediate_size)
     inputs = {width: torch.randn(rows, width, dtype=dtype) for width in set(widths)}
-    products = [(functools.partial(fused_linear, packed=packed), inputs[width]) for layer in fused.layers
+    products = [(functools.partial(packed_linear, packed=packed), inputs[width]) for layer in fused.layers
                 for packed, width in zip((layer.qkv, layer.o, layer.gate_up, layer.down), widths)]
-    return products + [(functools.partial(fused_linear, packed=fused.lm_head),
+    return products + [(functools.partial(packed_linear, packed=fused.lm_head),
                         torch.randn(logit_rows, config.hidden_size, dtype=dtype))]
 
 

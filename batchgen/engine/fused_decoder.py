@@ -15,7 +15,7 @@ Invariants:
   `qwen2` model in float32 or bfloat16 with a SiLU MLP and the C ops build here; the engine
   then runs transformers' forward. It copies the weights it packs (the model is untouched;
   later changes to its weights are not seen).
-- Rows are padded to a multiple of `ROW_BUCKET` for every product (oneDNN keeps state per
+- Rows are padded to `cpu_linear.bucketed` rows for every product (oneDNN keeps state per
   input shape); padding rows never reach the pool or a kept logit.
 - In float32 every op rounds as transformers' does except the order of the RMSNorm sum and of
   the GEMMs' additions, so greedy outputs equal `model.generate`'s (tested); in bfloat16 the
@@ -31,29 +31,17 @@ import torch.nn.functional as F
 
 from batchgen.kernels import decoder_ops
 from batchgen.kernels.attention import AttentionStep, profiler_span
-from batchgen.kernels.cpu_linear import ROW_BUCKET
+from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def packed_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The row-wise concatenation of `weights` (and their biases), packed for oneDNN."""
-    weight = torch.cat([w.detach() for w in weights])
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    return torch.ops.mkldnn._reorder_linear_weight(weight), bias
-
-
-def linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    weight, bias = packed
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
 @dataclass
 class FusedLayer:
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
-    o: tuple[torch.Tensor, torch.Tensor | None]
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
     input_norm: torch.Tensor
     post_norm: torch.Tensor
 
@@ -62,10 +50,10 @@ class FusedLayer:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         return cls(
-            qkv=packed_linear([p.weight for p in projections], [p.bias for p in projections]),
-            o=packed_linear([attention.o_proj.weight], [attention.o_proj.bias]),
-            gate_up=packed_linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
-            down=packed_linear([mlp.down_proj.weight], [mlp.down_proj.bias]),
+            qkv=pack_weights([p.weight for p in projections], [p.bias for p in projections]),
+            o=pack_weights([attention.o_proj.weight], [attention.o_proj.bias]),
+            gate_up=pack_weights([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
+            down=pack_weights([mlp.down_proj.weight], [mlp.down_proj.bias]),
             input_norm=layer.input_layernorm.weight.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
         )
@@ -94,11 +82,12 @@ class FusedDecoder:
         self.layers = [FusedLayer.from_module(layer) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach()
         self.eps = decoder.norm.variance_epsilon
-        self.lm_head = packed_linear([model.get_output_embeddings().weight], [None])
+        self.lm_head = pack_weights([model.get_output_embeddings().weight], [None])
         attention = decoder.layers[0].self_attn
         self.num_heads = model.config.num_attention_heads
         self.num_kv_heads = model.config.num_key_value_heads
         self.head_dim = attention.head_dim
+        self.intermediate_size = model.config.intermediate_size
         self.scale = attention.scaling
 
     @classmethod
@@ -113,7 +102,7 @@ class FusedDecoder:
                 logit_indices: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of the rows `logit_indices` of a step of `len(input_ids)` tokens."""
         num_tokens = len(input_ids)
-        num_rows = -(-num_tokens // ROW_BUCKET) * ROW_BUCKET
+        num_rows = bucketed(num_tokens)
         residual = self.embed_tokens(F.pad(input_ids, (0, num_rows - num_tokens)))
         cos, sin = self.rotary_emb(residual[None], positions[None])
         normed = torch.empty_like(residual)
@@ -121,23 +110,22 @@ class FusedDecoder:
         heads = residual.new_zeros((num_rows, self.num_heads, self.head_dim))
         attended = torch.zeros_like(heads)
         keys = residual.new_empty((num_tokens, self.num_kv_heads, self.head_dim))
+        activated = residual.new_empty((num_rows, self.intermediate_size))
         value_start = (self.num_heads + self.num_kv_heads) * self.head_dim
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             k_cache, v_cache = step.k_caches[index], step.v_caches[index]
-            qkv = linear(normed, layer.qkv)
+            qkv = packed_linear(normed, layer.qkv)
             with profiler_span():
                 decoder_ops.rope_write_kv(heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
                                           step.metadata.slot_mapping)
                 values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
                 step.backend.forward(heads[:num_tokens], keys, values, k_cache, v_cache, step.metadata, self.scale,
                                      attended[:num_tokens])
-            decoder_ops.add_rms_norm(normed, residual, linear(attended.view(num_rows, -1), layer.o), layer.post_norm,
-                                     self.eps)
-            gate_up = linear(normed, layer.gate_up)
-            activated = gate_up.new_empty((num_rows, gate_up.shape[1] // 2))
-            decoder_ops.silu_mul(activated, gate_up)
-            decoder_ops.add_rms_norm(normed, residual, linear(activated, layer.down), next_norm, self.eps)
+            decoder_ops.add_rms_norm(normed, residual, packed_linear(attended.view(num_rows, -1), layer.o),
+                                     layer.post_norm, self.eps)
+            decoder_ops.silu_mul(activated, packed_linear(normed, layer.gate_up))
+            decoder_ops.add_rms_norm(normed, residual, packed_linear(activated, layer.down), next_norm, self.eps)
         kept = normed[logit_indices]
-        kept = F.pad(kept, (0, 0, 0, -(-len(kept) // ROW_BUCKET) * ROW_BUCKET - len(kept)))
-        return linear(kept, self.lm_head)[: len(logit_indices)].float()
+        kept = F.pad(kept, (0, 0, 0, bucketed(len(kept)) - len(kept)))
+        return packed_linear(kept, self.lm_head)[: len(logit_indices)].float()

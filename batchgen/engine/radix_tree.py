@@ -192,10 +192,10 @@ class RadixTree:
 
     def stats(self) -> PlanStats:
         """Prefill totals when requests run in ``order()`` and no cached block is evicted (see `cached_tokens`)."""
-        num_prompt_tokens = int(self.num_tokens().sum())
-        num_cached = int(self.cached_tokens().sum())
+        tokens = self.num_tokens()
+        num_prompt_tokens, num_cached = int(tokens.sum()), int(self.cached_tokens().sum())
         hit_rate = num_cached / num_prompt_tokens if num_prompt_tokens else 0.0
-        return PlanStats(len(self.num_tokens()), num_prompt_tokens, num_prompt_tokens - num_cached, num_cached, hit_rate)
+        return PlanStats(len(tokens), num_prompt_tokens, num_prompt_tokens - num_cached, num_cached, hit_rate)
 
     def num_tokens(self) -> np.ndarray:
         """The prompt's token count of each request, by insertion index."""

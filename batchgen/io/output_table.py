@@ -68,9 +68,9 @@ def _timing_column(name: str) -> OutputColumn:
     return OutputColumn(name, pa.float64(), True, lambda sample: sample.timing[name])
 
 
-KEY_COLUMNS = (
-    OutputColumn(ROW_INDEX, pa.int64(), False, lambda scored: scored.row.index),  # read from a ScoredRow
-    OutputColumn("id", pa.string(), False, lambda scored: scored.row.id),
+KEY_COLUMNS = (  # read from the InputRow
+    OutputColumn(ROW_INDEX, pa.int64(), False, lambda row: row.index),
+    OutputColumn("id", pa.string(), False, lambda row: row.id),
 )
 SAMPLE_INDEX_COLUMN = OutputColumn(SAMPLE_INDEX, pa.int32(), False, lambda sample: sample.completion.index)
 RESULT_COLUMNS = (
@@ -171,8 +171,13 @@ def _refuse_clashes(carried_schema: list[pa.Field], reserved: set[str]) -> None:
 def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool,
                 json_type: pa.DataType | None = None) -> list[dict]:
     """One output row per sample, with the columns of `output_schema(..., with_sample_index, json_type)`."""
-    keys = {ROW_INDEX: row.index, "id": row.id, **row.carried}
+    keys = _key_values(row)
     return [{**keys, **values} for values in sample_values(output, with_sample_index, json_type)]
+
+
+def _key_values(row: InputRow) -> dict:
+    """The key and carried columns of `row`'s output rows."""
+    return {**{column.name: column.read(row) for column in KEY_COLUMNS}, **row.carried}
 
 
 def sample_fields(with_sample_index: bool, json_type: pa.DataType | None = None) -> list[pa.Field]:
@@ -237,10 +242,7 @@ def score_schema(carried_schema: list[pa.Field]) -> pa.Schema:
 
 def score_rows(scored: ScoredRow) -> list[dict]:
     """The output row of one scored input row, with `score_schema`'s columns."""
-    values = {column.name: column.read(scored) for column in KEY_COLUMNS}
-    values.update(scored.row.carried)
-    values.update({column.name: column.read(scored) for column in SCORE_COLUMNS})
-    return [values]
+    return [{**_key_values(scored.row), **{column.name: column.read(scored) for column in SCORE_COLUMNS}}]
 
 
 def num_error_rows(table: pa.Table) -> int:

@@ -208,11 +208,13 @@ def register() -> str:
 
 
 class NativeBackend(AttentionBackend):
-    """Decode rows in one batched call that reads the pool in place; prefill chunks via SDPA.
+    """Decode rows in one batched call that reads the pool in place; prefill chunks in one call
+    too where the device has a paged prefill function, else via SDPA.
 
-    `decode` is the batched paged decode function for this device. `prefill`, when given, attends every prefill chunk over the pool in one call
-    and returns False where it does not apply (then SDPA runs them). Through SDPA, a prefill
-    chunk with no cached context attends to its own new K/V without touching the pool.
+    `decode` is the batched paged decode function for this device. `prefill`, when given,
+    attends every prefill chunk over the pool in one call and returns False where it does not
+    apply (then SDPA runs them). Through SDPA, a prefill chunk with no cached context attends to
+    its own new K/V without touching the pool.
     """
 
     name = "native"

@@ -28,9 +28,7 @@ _STATUS_MESSAGES = {
     3: "this dtype is not supported by the compiled kernel",
     4: "the kernel could not allocate its scratch memory",
 }
-_ARGTYPES = (
-    [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
-)
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 _PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 
 
@@ -110,10 +108,8 @@ def paged_decode_attention(
         head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
         torch.get_num_threads(),
     )
-    if status != 0:
-        raise ValueError(f"paged_decode_attention: {_STATUS_MESSAGES.get(status, f'status {status}')}")
+    _check_status("paged_decode_attention", status)
     return out
-
 
 
 @functools.cache
@@ -143,7 +139,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
         torch.get_num_threads(),
     )
-    if status != 0:
-        raise ValueError(f"paged_prefill_attention: {_STATUS_MESSAGES.get(status, f'status {status}')}")
+    _check_status("paged_prefill_attention", status)
     return True
+
+
+def _check_status(function: str, status: int) -> None:
+    """ValueError naming what the kernel refused, for a status other than 0."""
+    if status != 0:
+        raise ValueError(f"{function}: {_STATUS_MESSAGES.get(status, f'status {status}')}")
 

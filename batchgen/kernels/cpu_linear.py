@@ -27,13 +27,34 @@ from torch import nn
 # memory grew ~14 KB per row of a tiny model's job unpadded, flat padded; 32 is as fast as 16)
 ROW_BUCKET = 32
 
+PackedWeight = tuple[torch.Tensor, torch.Tensor | None]  # a oneDNN-packed weight and its bias
+
+
+def bucketed(num_rows: int) -> int:
+    """`num_rows` rounded up to a multiple of ROW_BUCKET."""
+    return -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+
+
+def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedWeight:
+    """The row-wise concatenation of `weights` (and of their biases, all given or all None),
+    packed once for oneDNN: one product computes all of them."""
+    weight = torch.cat([w.detach() for w in weights])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return torch.ops.mkldnn._reorder_linear_weight(weight), bias
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a 2-D `x` whose rows are `bucketed` already."""
+    weight, bias = packed
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
 
 class PackedLinears:
     """A model's linear layers with oneDNN-packed copies of their weights."""
 
-    def __init__(self, packed: list[tuple[nn.Linear, torch.Tensor]]):
+    def __init__(self, packed: list[tuple[nn.Linear, PackedWeight]]):
         self.packed = packed
-        self.forwards = [(module, _packed_forward(weight, module.bias)) for module, weight in packed]
+        self.forwards = [(module, _packed_forward(weight)) for module, weight in packed]
 
     @classmethod
     def pack(cls, model: nn.Module) -> PackedLinears | None:
@@ -44,7 +65,7 @@ class PackedLinears:
         if not linears:
             return None
         try:
-            packed = [(m, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())) for m in linears]
+            packed = [(m, pack_weights([m.weight], [m.bias])) for m in linears]
         except RuntimeError:  # e.g. bf16 on a CPU without AVX512-BF16 support
             return None
         return cls(packed)
@@ -59,13 +80,12 @@ class PackedLinears:
             del module.forward
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+def _packed_forward(packed: PackedWeight):
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         num_rows = rows.shape[0]
-        padded = -(-num_rows // ROW_BUCKET) * ROW_BUCKET
-        if padded != num_rows:
-            rows = F.pad(rows, (0, 0, 0, padded - num_rows))
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        if bucketed(num_rows) != num_rows:
+            rows = F.pad(rows, (0, 0, 0, bucketed(num_rows) - num_rows))
+        out = packed_linear(rows, packed)
         return out[:num_rows].reshape(*x.shape[:-1], out.shape[-1])
     return forward

@@ -58,7 +58,7 @@ def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tenso
     """Rotary embeddings for the first ``len(slots)`` rows of a fused q|k|v projection: rotated
     q into ``q_out`` [T, H, D], rotated k into ``k_out`` [T, Hkv, D], and k, v stored at their
     slots of the pool ([num_blocks, block_size, Hkv, D]); ``cos``/``sin`` are [T, D]."""
-    num_tokens, num_heads, head_dim = q_out.shape[0], q_out.shape[1], q_out.shape[2]
+    num_heads, head_dim = q_out.shape[1], q_out.shape[2]
     _library().bg_rope_write_kv(q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                 qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), len(slots),
                                 num_heads, k_cache.shape[2], head_dim, DTYPE_CODES[qkv.dtype],

@@ -209,12 +209,15 @@ static void accumulate_values(int d, int group, int n, Scratch *s) {
     }
 }
 
-/* Load query head `head` of sequence `seq`, pre-scaled, into query slot `slot` of the scratch. */
-static void load_query(const Problem *p, int seq, int head, int slot, Scratch *s) {
+/* The row of query head `head` of packed token `row` in q. */
+static inline const void *query_row(const Problem *p, int64_t row, int head) {
+    return (const char *)p->q + (row * p->num_heads + head) * p->head_dim * element_size(p->dtype);
+}
+
+/* Load query head `head` of packed token `row`, pre-scaled, into query slot `slot` of the scratch. */
+static void load_query(const Problem *p, int64_t row, int head, int slot, Scratch *s) {
     int d = p->head_dim;
-    size_t row_bytes = (size_t)d * element_size(p->dtype);
-    const void *src = (const char *)p->q + ((int64_t)seq * p->num_heads + head) * row_bytes;
-    const float *q = as_float(src, s->row, d, p->dtype);
+    const float *q = as_float(query_row(p, row, head), s->row, d, p->dtype);
     for (int i = 0; i < d; i++) s->q[(size_t)slot * d + i] = q[i] * p->scale;
 }
 
@@ -316,11 +319,6 @@ static inline void score_rows16(const Problem *p, const void *q_raw, const float
         for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(q_part, load16(k + t * row_stride, i, p->dtype == DTYPE_BF16), acc[t]);
     }
     _mm512_mask_storeu_ps(scores, rows, sum16(acc));
-}
-
-/* The row of query head `head` of packed token `row` in q. */
-static inline const void *query_row(const Problem *p, int64_t row, int head) {
-    return (const char *)p->q + (row * p->num_heads + head) * p->head_dim * element_size(p->dtype);
 }
 
 /* acc_r += sum_t weights[r][t] * v_t over output elements i0 .. i0 + 16 * tile of the `count`
