@@ -73,6 +73,7 @@ typedef struct {
     uint32_t *weight_pairs; /* [queries, CHUNK_TOKENS / 2] bf16 pairs of weights (AVX-512 bf16 path) */
     float *max;     /* [queries] running max */
     float *sum;     /* [queries] running sum of exp */
+    float *correction; /* [queries] the prefill softmax's new max, then its rescale factors */
     int64_t slots[CHUNK_TOKENS];
     const float *rows[CHUNK_TOKENS]; /* float32 K or V rows of the chunk */
 } Scratch;
@@ -547,10 +548,224 @@ static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
     return STATUS_OK;
 }
 
+/*
+ * The prefill kernel keeps a tile's rows in columns (key-major): with `stride` rows (the tile's
+ * rows rounded up to 16), s->q holds Q transposed ([d / 2][stride] bf16 pairs (q[2i], q[2i+1])
+ * where the bf16 dot instruction runs, else [d][stride] pre-scaled float32), s->scores
+ * [CHUNK_TOKENS][stride] the chunk's scores and then weights, s->weight_pairs
+ * [CHUNK_TOKENS / 2][stride]. A key's scores for 16 rows are then one vector: its K elements are
+ * broadcast from the pool as they lie (no transpose, no horizontal sums), and the softmax's max
+ * and sums run down the columns.
+ */
+
+/* 1 where bf16 scores and weights go through the bf16 dot instruction. */
+static inline int uses_bf16_dot(const Problem *p) {
+#if defined(__AVX512BF16__)
+    return p->dtype == DTYPE_BF16;
+#else
+    (void)p;
+    return 0;
+#endif
+}
+
+/* Rows r < num_rows of a prefill tile (query token first_row + r / group, head kv_head * group +
+ * r % group) into s->q, transposed; columns num_rows .. stride are zero. */
+static void load_queries_transposed(const Problem *p, int64_t first_row, int kv_head, int num_rows, int stride,
+                                    Scratch *s) {
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    memset(s->q, 0, sizeof(float) * (size_t)d * stride);
+    for (int r = 0; r < num_rows; r++) {
+        const void *q = query_row(p, first_row + r / group, kv_head * group + r % group);
+        if (uses_bf16_dot(p)) {
+            for (int i = 0; i < d / 2; i++) ((uint32_t *)s->q)[(size_t)i * stride + r] = ((const uint32_t *)q)[i];
+        } else {
+            const float *row = as_float(q, s->row, d, p->dtype);
+            for (int i = 0; i < d; i++) s->q[(size_t)i * stride + r] = row[i] * p->scale;
+        }
+    }
+}
+
+/* scores[u * stride + c] for `keys` consecutive keys u (from `k`, rows `row_stride` bytes apart)
+ * and the columns of row vectors 0 .. vecs of `q` (s->q from a vector): keys * vecs accumulators
+ * in registers, each K element (a bf16 pair or a float) broadcast once for every row vector,
+ * each Q^T vector loaded once for every key. */
+static inline __attribute__((always_inline)) void score_columns_tile(const Problem *p, const float *q, const char *k,
+                                                                     int64_t row_stride, int stride, float *scores,
+                                                                     const int keys, const int vecs) {
+    __m512 acc[4][3];
+    for (int u = 0; u < keys; u++)
+        for (int j = 0; j < vecs; j++) acc[u][j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (p->dtype == DTYPE_BF16) {
+        for (int i = 0; i < p->head_dim / 2; i++) {
+            __m512bh qv[3];
+            for (int j = 0; j < vecs; j++) qv[j] = (__m512bh)_mm512_loadu_ps(q + (size_t)i * stride + 16 * j);
+            for (int u = 0; u < keys; u++) {
+                __m512bh kb = (__m512bh)_mm512_set1_epi32(((const int32_t *)(k + u * row_stride))[i]);
+                for (int j = 0; j < vecs; j++) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], qv[j], kb);
+            }
+        }
+        for (int u = 0; u < keys; u++)
+            for (int j = 0; j < vecs; j++)
+                _mm512_storeu_ps(scores + (size_t)u * stride + 16 * j, _mm512_mul_ps(_mm512_set1_ps(p->scale), acc[u][j]));
+        return;
+    }
+#endif
+    for (int i = 0; i < p->head_dim; i++) {
+        __m512 qv[3];
+        for (int j = 0; j < vecs; j++) qv[j] = _mm512_loadu_ps(q + (size_t)i * stride + 16 * j);
+        for (int u = 0; u < keys; u++) {
+            const char *row = k + u * row_stride;
+            __m512 kb = _mm512_set1_ps(p->dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)row)[i])
+                                                              : ((const float *)row)[i]);
+            for (int j = 0; j < vecs; j++) acc[u][j] = _mm512_fmadd_ps(qv[j], kb, acc[u][j]);
+        }
+    }
+    for (int u = 0; u < keys; u++)
+        for (int j = 0; j < vecs; j++) _mm512_storeu_ps(scores + (size_t)u * stride + 16 * j, acc[u][j]);
+}
+
+#define SCORE_COLUMNS_CASE(keys, vecs) \
+    case (keys) * 4 + (vecs): score_columns_tile(p, q, k_rows, row_stride, stride, scores, keys, vecs); break;
+
+/* Key-major scores of a run of n keys (from `k`) for row vectors 0 .. num_vecs of s->q, into
+ * key_scores, 4 keys x 3 row vectors at a time. */
+__attribute__((noinline)) static void score_columns(const Problem *p, const char *k, int64_t row_stride, int n, int num_vecs, int stride,
+                          const Scratch *s, float *key_scores) {
+    for (int t0 = 0; t0 < n; t0 += 4)
+        for (int vec0 = 0; vec0 < num_vecs; vec0 += 3) {
+            int keys = n - t0 < 4 ? n - t0 : 4, vecs = num_vecs - vec0 < 3 ? num_vecs - vec0 : 3;
+            const float *q = s->q + 16 * vec0;
+            const char *k_rows = k + t0 * row_stride;
+            float *scores = key_scores + (size_t)t0 * stride + 16 * vec0;
+            switch (keys * 4 + vecs) {
+                SCORE_COLUMNS_CASE(1, 1) SCORE_COLUMNS_CASE(1, 2) SCORE_COLUMNS_CASE(1, 3)
+                SCORE_COLUMNS_CASE(2, 1) SCORE_COLUMNS_CASE(2, 2) SCORE_COLUMNS_CASE(2, 3)
+                SCORE_COLUMNS_CASE(3, 1) SCORE_COLUMNS_CASE(3, 2) SCORE_COLUMNS_CASE(3, 3)
+                SCORE_COLUMNS_CASE(4, 1) SCORE_COLUMNS_CASE(4, 2) SCORE_COLUMNS_CASE(4, 3)
+            }
+        }
+}
+
+/* Key positions after a row's own token get no weight: key chunk_pos + t is masked for rows
+ * r < (chunk_pos + t - first_pos) * group (row r is the token at first_pos + r / group). */
+__attribute__((noinline)) static void mask_future_keys(int chunk_pos, int n, int first_pos, int group, int num_rows, int stride, Scratch *s) {
+    for (int t = 0; t < n; t++) {
+        int masked = (chunk_pos + t - first_pos) * group;
+        masked = masked < 0 ? 0 : masked > num_rows ? num_rows : masked;
+        for (int r = 0; r < masked; r++) s->scores[(size_t)t * stride + r] = -INFINITY;
+    }
+}
+
+/* update_softmax over key-major scores: rows r < num_rows, n keys. Key 0 is never masked, so a
+ * row's running max is finite after its first chunk. */
+static void softmax_columns(int d, int num_rows, int stride, int n, Scratch *s) {
+    float *restrict max = s->max, *restrict sum = s->sum, *restrict correction = s->correction;
+    float *restrict acc = s->acc, *restrict scores = s->scores;
+    for (int r = 0; r < num_rows; r++) correction[r] = max[r]; /* the new max, first */
+    for (int t = 0; t < n; t++)
+#pragma omp simd
+        for (int r = 0; r < num_rows; r++) {
+            float score = scores[(size_t)t * stride + r];
+            correction[r] = score > correction[r] ? score : correction[r];
+        }
+#pragma omp simd
+    for (int r = 0; r < num_rows; r++) {
+        float new_max = correction[r];
+        correction[r] = vector_expf(max[r] - new_max);
+        max[r] = new_max;
+        sum[r] *= correction[r];
+    }
+    for (int i = 0; i < d; i++)
+#pragma omp simd
+        for (int r = 0; r < num_rows; r++) acc[(size_t)i * stride + r] *= correction[r];
+    for (int t = 0; t < n; t++)
+#pragma omp simd
+        for (int r = 0; r < num_rows; r++) {
+            float weight = vector_expf(scores[(size_t)t * stride + r] - max[r]);
+            scores[(size_t)t * stride + r] = weight;
+            sum[r] += weight;
+        }
+}
+
+#if defined(__AVX512BF16__)
+/* Key-major weights of n keys as bf16 pairs: s->weight_pairs[k * stride + r] = (w[2k][r],
+ * w[2k + 1][r]), 0 for the second of an odd last key. */
+__attribute__((noinline)) static void pack_weight_columns(int num_vecs, int stride, int n, Scratch *s) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int k = 0; 2 * k < n; k++)
+        for (int j = 0; j < num_vecs; j++) {
+            const float *first = s->scores + (size_t)2 * k * stride + 16 * j;
+            __m512 second = 2 * k + 1 < n ? _mm512_loadu_ps(first + stride) : _mm512_setzero_ps();
+            __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, _mm512_loadu_ps(first)); /* first's 16, then second's */
+            _mm512_storeu_si512(s->weight_pairs + (size_t)k * stride + 16 * j, _mm512_permutexvar_epi16(interleave, both));
+        }
+}
+#endif
+
+/* acc^T[e][c] += sum_k w[k][c] * v_k[e] for elements e0 .. e0 + elems (compile time) and the
+ * columns of row vectors 0 .. vecs: `w` the key-major weights (or bf16 weight pairs) from the
+ * first row vector, `v` the first V row (or V key pair) at element e0, rows `v_stride` bytes
+ * apart; each V element (or pair) broadcast once for every row vector, each weight vector loaded
+ * once for every element. */
+static inline __attribute__((always_inline)) void accumulate_columns_tile(const Problem *p, const float *w,
+                                                                          const char *v, int64_t v_stride,
+                                                                          int num_keys, int stride, float *acc,
+                                                                          const int elems, const int vecs) {
+    __m512 sums[4][3];
+    for (int x = 0; x < elems; x++)
+        for (int j = 0; j < vecs; j++) sums[x][j] = _mm512_loadu_ps(acc + (size_t)x * stride + 16 * j);
+#if defined(__AVX512BF16__)
+    if (p->dtype == DTYPE_BF16) {
+        for (int k = 0; k < num_keys; k++) {
+            __m512bh wv[3];
+            for (int j = 0; j < vecs; j++) wv[j] = (__m512bh)_mm512_loadu_ps(w + (size_t)k * stride + 16 * j);
+            for (int x = 0; x < elems; x++) {
+                __m512bh vb = (__m512bh)_mm512_set1_epi32(((const int32_t *)(v + k * v_stride))[x]);
+                for (int j = 0; j < vecs; j++) sums[x][j] = _mm512_dpbf16_ps(sums[x][j], wv[j], vb);
+            }
+        }
+    } else
+#endif
+    {
+        for (int k = 0; k < num_keys; k++) {
+            __m512 wv[3];
+            for (int j = 0; j < vecs; j++) wv[j] = _mm512_loadu_ps(w + (size_t)k * stride + 16 * j);
+            const char *row = v + k * v_stride;
+            for (int x = 0; x < elems; x++) {
+                __m512 vb = _mm512_set1_ps(p->dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)row)[x])
+                                                                  : ((const float *)row)[x]);
+                for (int j = 0; j < vecs; j++) sums[x][j] = _mm512_fmadd_ps(wv[j], vb, sums[x][j]);
+            }
+        }
+    }
+    for (int x = 0; x < elems; x++)
+        for (int j = 0; j < vecs; j++) _mm512_storeu_ps(acc + (size_t)x * stride + 16 * j, sums[x][j]);
+}
+
+#define ACCUMULATE_COLUMNS_CASE(vecs) \
+    case vecs: accumulate_columns_tile(p, w, v + e0 * element_bytes, v_stride, num_keys, stride, acc, 4, vecs); break;
+
+/* acc^T += the weights' products with num_keys V rows (or pairs) from `v` (element 0), for row
+ * vectors 0 .. num_vecs: 4 elements x 3 row vectors at a time. `element_bytes` is the size of
+ * one V element (or pair) in `v`. */
+static void accumulate_columns(const Problem *p, const float *weights, const char *v, int64_t v_stride,
+                               int element_bytes, int num_keys, int num_vecs, int stride, Scratch *s) {
+    for (int e0 = 0; e0 < p->head_dim; e0 += 4)
+        for (int vec0 = 0; vec0 < num_vecs; vec0 += 3) {
+            const float *w = weights + 16 * vec0;
+            float *acc = s->acc + (size_t)e0 * stride + 16 * vec0;
+            switch (num_vecs - vec0 < 3 ? num_vecs - vec0 : 3) {
+                ACCUMULATE_COLUMNS_CASE(1) ACCUMULATE_COLUMNS_CASE(2) ACCUMULATE_COLUMNS_CASE(3)
+            }
+        }
+}
+
 /* Causal prefill attention of one tile of a chunk: query tokens tile_start .. +16 of sequence
  * `seq` (packed rows query_start + ...), the query heads of `kv_head`, over every cached
- * position up to each token's own. Scratch row r is token r / group, head kv_head * group +
- * r % group. */
+ * position up to each token's own. Scratch column r is token r / group, head kv_head * group +
+ * r % group, in the key-major layout above; s->acc is acc^T, [d][stride]. */
 static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
                                Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
@@ -560,43 +775,40 @@ static int attend_prefill_tile(const Problem *p, int seq, int query_start, int q
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
     int num_tokens = query_len - tile_start < PREFILL_TILE ? query_len - tile_start : PREFILL_TILE;
     int num_rows = num_tokens * group, first_pos = context_len - query_len + tile_start;
-    reset_state(d, num_rows, s);
-    for (int r = 0; r < num_rows; r++)
-        load_query(p, query_start + tile_start + r / group, kv_head * group + r % group, r, s);
-    int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
-    int64_t head_offset = (int64_t)kv_head * d * element_size(p->dtype);
+    int stride = PREFILL_TILE * group, num_vecs = (num_rows + 15) / 16;
+    reset_state(d, stride, s);
+    load_queries_transposed(p, query_start + tile_start, kv_head, num_rows, stride, s);
+    int element_bytes = (int)element_size(p->dtype);
+    int64_t row_stride = (int64_t)p->num_kv_heads * d * element_bytes, head_offset = (int64_t)kv_head * d * element_bytes;
     Segment segments[CHUNK_TOKENS];
     for (int pos = 0; pos < first_pos + num_tokens;) {
         int chunk_pos = pos, n = 0;
         int num_segments = next_chunk(p, table, &pos, first_pos + num_tokens, segments, &n);
         if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
-        for (int r = 0; r < num_rows; r++) {
-            const void *q_raw = query_row(p, query_start + tile_start + r / group, kv_head * group + r % group);
-            float *scores = s->scores + r * CHUNK_TOKENS;
-            for (int i = 0; i < num_segments; i++)
-                for (int t0 = 0; t0 < segments[i].length; t0 += 16)
-                    score_rows16(p, q_raw, s->q + (size_t)r * d, segments[i].keys + head_offset + t0 * row_stride,
-                                 row_stride, segments[i].length - t0 < 16 ? segments[i].length - t0 : 16,
-                                 scores + segments[i].start + t0);
-            int first_masked = first_pos + r / group - chunk_pos + 1; /* causal: keys after the token */
-            for (int t = first_masked > 0 ? first_masked : 0; t < n; t++) scores[t] = -INFINITY;
-        }
-        update_softmax(d, num_rows, n, s);
+        for (int i = 0; i < num_segments; i++)
+            score_columns(p, segments[i].keys + head_offset, row_stride, segments[i].length, num_vecs, stride, s,
+                          s->scores + (size_t)segments[i].start * stride);
+        mask_future_keys(chunk_pos, n, first_pos, group, num_rows, stride, s);
+        softmax_columns(d, num_rows, stride, n, s);
 #if defined(__AVX512BF16__)
         if (p->dtype == DTYPE_BF16) {
-            accumulate_chunk_bf16(p, segments, num_segments, head_offset, row_stride, n, 0, num_rows, s);
+            pack_value_pairs(p, segments, num_segments, head_offset, row_stride, s);
+            pack_weight_columns(num_vecs, stride, n, s);
+            accumulate_columns(p, (const float *)s->weight_pairs, (const char *)s->converted, 4 * d, 4, (n + 1) / 2,
+                               num_vecs, stride, s);
             continue;
         }
 #endif
         for (int i = 0; i < num_segments; i++)
-            accumulate_heads(p, segments[i].values + head_offset, row_stride, segments[i].length,
-                             s->scores + segments[i].start, 0, num_rows, s);
+            accumulate_columns(p, s->scores + (size_t)segments[i].start * stride, segments[i].values + head_offset,
+                               row_stride, element_bytes, segments[i].length, num_vecs, stride, s);
     }
-    size_t row_bytes = (size_t)d * element_size(p->dtype);
+    size_t row_bytes = (size_t)d * element_bytes;
     for (int r = 0; r < num_rows; r++) {
         int64_t row = query_start + tile_start + r / group;
-        store_row((char *)p->out + (row * p->num_heads + kv_head * group + r % group) * row_bytes,
-                  s->acc + (size_t)r * d, 1.0f / s->sum[r], d, p->dtype);
+        for (int i = 0; i < d; i++) s->row[i] = s->acc[(size_t)i * stride + r];
+        store_row((char *)p->out + (row * p->num_heads + kv_head * group + r % group) * row_bytes, s->row,
+                  1.0f / s->sum[r], d, p->dtype);
     }
     return STATUS_OK;
 }
@@ -611,7 +823,7 @@ static int attend_prefill_tile(const Problem *p, int seq, int query_start, int q
 #endif
 
 static float *alloc_scratch(Scratch *s, int num_queries, int d) {
-    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 2 + CHUNK_TOKENS / 2) + (size_t)(CHUNK_TOKENS + 1) * d;
+    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 3 + CHUNK_TOKENS / 2) + (size_t)(CHUNK_TOKENS + 1) * d;
     float *base = (float *)malloc(sizeof(float) * floats);
     if (base == NULL) return NULL;
     s->q = base;
@@ -619,7 +831,8 @@ static float *alloc_scratch(Scratch *s, int num_queries, int d) {
     s->scores = s->acc + (size_t)num_queries * d;
     s->max = s->scores + (size_t)num_queries * CHUNK_TOKENS;
     s->sum = s->max + num_queries;
-    s->row = s->sum + num_queries;
+    s->correction = s->sum + num_queries;
+    s->row = s->correction + num_queries;
     s->converted = s->row + d;
     s->weight_pairs = (uint32_t *)(s->converted + (size_t)CHUNK_TOKENS * d);
     return base;
