@@ -57,6 +57,29 @@ def test_greedy_equals_transformers_at_block_sizes_off_the_kernels_16_key_groups
     assert [o.token_ids for o in run_workload(llm, workload)] == expected
 
 
+def test_cascade_decode_equals_transformers_generate(monkeypatch):
+    # head_dim 32: the CPU kernel's AVX-512 path, where its cascade runs; 20 rows share 6 blocks
+    # and 4 tokens, then each has its own tokens (two tiles of the cascade's first pass)
+    from batchgen.engine import model_runner
+
+    groups_seen = []
+
+    def recording(*args):
+        groups = shared_prefix_groups(*args)
+        groups_seen.extend(groups)
+        return groups
+
+    shared_prefix_groups = model_runner.shared_prefix_groups
+    monkeypatch.setattr(model_runner, "shared_prefix_groups", recording)
+    model = tiny_model(hidden_size=128)
+    prefix = list(range(100, 200))
+    prompts = [prefix + [300 + i] * (1 + i % 7) for i in range(20)]
+    expected = [hf_greedy(model, prompt, 6) for prompt in prompts]
+    llm = LLM(model, tokenizer=tiny_tokenizer())
+    assert [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)] == expected
+    assert (0, 20, 96) in groups_seen
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_small_pool_preempts_and_evicts_with_same_outputs(family):
     model, workload, expected = model_and_oracle(family)

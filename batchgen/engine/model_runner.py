@@ -25,7 +25,8 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.step import ScheduledStep
 from batchgen.models import kv_bytes_per_token, kv_cache_shape
-from batchgen.kernels.attention import AttentionMetadata, AttentionStep, make_backend, register
+from batchgen.kernels.attention import (AttentionMetadata, AttentionStep, make_backend, register,
+                                        shared_prefix_groups)
 from batchgen.kernels.cpu_linear import PackedLinears
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
@@ -155,5 +156,9 @@ class ModelRunner:
             num_decode_seqs=num_decode,
             block_size=self.block_size,
         )
+        if self.backend.shares_prefixes:
+            groups = shared_prefix_groups(block_tables, context_lens, num_decode, self.block_size)
+            if groups:
+                metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
         return (torch.tensor(token_ids, device=device), positions.to(device), metadata,
                 torch.tensor(logit_indices, dtype=torch.long, device=device))

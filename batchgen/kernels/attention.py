@@ -14,6 +14,9 @@ Layout invariants (`AttentionMetadata`):
 - `slot_mapping[t]` is the cache slot where token t's K/V are written.
 - Sequences with one query token (decoding) come first: `num_decode_seqs` of them, sorted by
   block table so that sequences sharing prefix blocks are adjacent.
+- `decode_groups` rows (first, end, prefix_tokens): decode sequences first..end-1 hold the same
+  blocks for their first prefix_tokens tokens (fewer than each one's context); set only for a
+  backend that `shares_prefixes`.
 
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
 others; "native" batches decode rows through one kernel call that reads the pool in place
@@ -49,6 +52,7 @@ class AttentionMetadata:
     block_tables_list: list[list[int]]  # S
     num_decode_seqs: int
     block_size: int
+    decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefix_groups
 
     @cached_property
     def prefill_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +109,45 @@ class AttentionBackend:
     """Computes attention for the packed batch; K/V of the new tokens are already in the pool."""
 
     name = "base"
+    shares_prefixes = False  # whether forward() uses metadata.decode_groups
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         """Write the attention of every query row of ``q`` ([T, H, D]) into ``out`` (same shape)."""
         raise NotImplementedError
+
+
+MIN_SHARED_BLOCKS = 4  # a shorter shared prefix is not worth a separate pass
+
+
+def shared_prefix_groups(block_tables: list[list[int]], context_lens: list[int], num_decode: int,
+                         block_size: int) -> list[tuple[int, int, int]]:
+    """Runs of adjacent decode rows holding the same leading blocks: (first, end, prefix_tokens).
+
+    A run is cut where the next row shares fewer than half the run's blocks, so a long common
+    prefix is not shortened to a short one; prefix_tokens < every member's context length.
+    """
+    groups = []
+    first = 0
+    while first < num_decode:
+        shared, end = (context_lens[first] - 1) // block_size, first + 1
+        while end < num_decode:
+            limit = min(shared, (context_lens[end] - 1) // block_size)
+            common = common_prefix_len(block_tables[first], block_tables[end], limit)
+            if common < max(MIN_SHARED_BLOCKS, shared // 2):
+                break
+            shared, end = common, end + 1
+        if end - first > 1:
+            groups.append((first, end, shared * block_size))
+        first = end
+    return groups
+
+
+def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    length = 0
+    while length < limit and a[length] == b[length]:
+        length += 1
+    return length
 
 
 def padded_context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, width: int,
@@ -211,7 +249,9 @@ class NativeBackend(AttentionBackend):
     """Decode rows in one batched call that reads the pool in place; prefill chunks in one call
     too where the device has a paged prefill function, else via SDPA.
 
-    `decode` is the batched paged decode function for this device. `prefill`, when given,
+    `decode` is the batched paged decode function for this device. When `shares_prefixes`, it
+    takes `groups=` (metadata.decode_groups) and reads a group's shared prefix once for all its
+    sequences (cascade attention). `prefill`, when given,
     attends every prefill chunk over the pool in one call and returns False where it does not
     apply (then SDPA runs them). Through SDPA, a prefill chunk with no cached context attends to
     its own new K/V without touching the pool.
@@ -219,15 +259,17 @@ class NativeBackend(AttentionBackend):
 
     name = "native"
 
-    def __init__(self, decode, prefill=None):
+    def __init__(self, decode, prefill=None, shares_prefixes: bool = False):
         self.decode = decode
         self.prefill = prefill
+        self.shares_prefixes = shares_prefixes
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         num_decode = meta.num_decode_seqs
         if num_decode:
+            extra = {"groups": meta.decode_groups} if meta.decode_groups is not None else {}
             out[:num_decode] = self.decode(q[:num_decode].contiguous(), k_cache, v_cache, meta.block_tables[:num_decode],
-                                           meta.context_lens[:num_decode], scale)
+                                           meta.context_lens[:num_decode], scale, **extra)
         if num_decode == len(meta.query_lens) or (self.prefill is not None and self.prefill(
                 q, k_cache, v_cache, meta.block_tables[num_decode:], meta.context_lens[num_decode:],
                 *meta.prefill_queries, scale, out)):
@@ -301,7 +343,8 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         from batchgen.kernels import cpu_attention
 
         if cpu_attention.is_available():
-            return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention)
+            return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
+                                 shares_prefixes=True)
     return NativeBackend(_decode_function(device))
 
 

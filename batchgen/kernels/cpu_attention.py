@@ -7,6 +7,8 @@ Invariants:
 - The kernel reads K/V in place from the paged cache (no gather), computes in
   float32 with an online softmax and writes every element of its output.
 - It runs on ``torch.get_num_threads()`` OpenMP threads, sharing torch's pool.
+- Decode ``groups`` (a shared prefix of adjacent sequences) change how the attention is computed,
+  never its result: on the AVX-512 path the prefix is attended once for all its sequences.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ _STATUS_MESSAGES = {
     2: "a block table entry is outside [0, num_blocks)",
     3: "this dtype is not supported by the compiled kernel",
     4: "the kernel could not allocate its scratch memory",
+    5: "a shared-prefix group is out of order or range, has one member, is not shorter than a member's context, "
+       "or its members do not hold the same prefix blocks",
 }
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p,
+                                                                                                 ctypes.c_int]
 _PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 
 
@@ -78,8 +83,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
+
+    ``groups``: optional contiguous int32 [num_groups, 3] rows (first, end, prefix_tokens), in
+    order and disjoint: sequences first..end-1 (at least two) hold the same blocks for their
+    first ``prefix_tokens`` tokens, fewer than each one's context. That prefix is then read once
+    for the whole group (cascade attention); the result is the same attention.
 
     ``q``: [num_seqs, num_heads, head_dim], the token at position
     ``context_lens[s] - 1`` whose own K/V are already in the cache;
@@ -98,6 +109,10 @@ def paged_decode_attention(
         raise ValueError("this compiler build of the kernel has no float16 support")
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if groups is not None and (groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[1] != 3
+                               or not groups.is_contiguous()):
+        raise ValueError(f"groups must be a contiguous int32 [num_groups, 3] tensor, got {groups.dtype} "
+                         f"{tuple(groups.shape)}")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
@@ -106,7 +121,7 @@ def paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads(), None if groups is None else groups.data_ptr(), 0 if groups is None else len(groups),
     )
     _check_status("paged_decode_attention", status)
     return out

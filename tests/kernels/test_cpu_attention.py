@@ -116,6 +116,48 @@ def test_builds_into_cache_dir(monkeypatch, tmp_path):
         cpu_attention._load_kernel.cache_clear()
 
 
+def shared_prefix_inputs(dtype, seed, num_heads=9, num_kv_heads=3, head_dim=64, block_size=BLOCK_SIZE):
+    """23 sequences: 0-19 hold the same first 6 blocks, 20-21 the same first block, 22 its own."""
+    context_lens = [6 * block_size + 1 + 7 * i % 50 for i in range(20)] + [block_size + 3, 2 * block_size + 5, 40]
+    q, k_cache, v_cache, block_tables, contexts = make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype,
+                                                              seed, pad=-1, block_size=block_size)
+    block_tables[1:20, :6] = block_tables[0, :6]
+    block_tables[21, :1] = block_tables[20, :1]
+    return q, k_cache, v_cache, block_tables, contexts
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (8, 2, 32, 16), (16, 1, 64, 16), (9, 3, 64, 5)])
+def test_shared_prefix_groups_give_the_same_attention(dtype, atol, rtol, num_heads, num_kv_heads, head_dim,
+                                                      block_size):
+    # 20 members: two tiles of the cascade's first pass; a prefix ending inside a block
+    q, k_cache, v_cache, block_tables, contexts = shared_prefix_inputs(dtype, 21, num_heads, num_kv_heads, head_dim,
+                                                                       block_size)
+    groups = torch.tensor([[0, 20, 6 * block_size - 3], [20, 22, block_size]], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125, out=out, groups=groups)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, contexts, 0.125)
+    assert not torch.isnan(out).any()
+    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
+
+
+@pytest.mark.parametrize("groups", [
+    [[0, 20, 6 * BLOCK_SIZE + 1]],           # not shorter than member 0's context
+    [[0, 20, 16], [10, 22, 16]],             # overlapping
+    [[20, 22, 16], [0, 20, 16]],             # out of order
+    [[5, 6, 16]],                            # one member
+    [[18, 23, 16]],                          # members holding other blocks
+    [[20, 24, 16]],                          # past the last sequence
+    [[0, 20, 0]],                            # no prefix
+])
+def test_bad_shared_prefix_groups_are_refused(groups):
+    q, k_cache, v_cache, block_tables, contexts = shared_prefix_inputs(torch.float32, seed=22)
+    with pytest.raises(ValueError, match="shared-prefix group"):
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125,
+                                             groups=torch.tensor(groups, dtype=torch.int32))
+
+
 def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
     """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]

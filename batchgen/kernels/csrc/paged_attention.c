@@ -20,7 +20,13 @@
  * prefetched; bf16 products use the AVX512-BF16 dot instruction where present.
  *
  * Prefill (AVX-512 only): causal attention of prefill chunks over the pool,
- * work items (sequence, 16 query tokens, kv head).
+ * work items (sequence, 16 query tokens, kv head), computed in columns (a
+ * tile's query rows are vector lanes; see attend_columns).
+ *
+ * Cascade decode (AVX-512 only): decode sequences given as a group share a
+ * prefix of blocks; one column tile per (16 members, kv head) attends that
+ * prefix once, reading its K and V once, and each member continues from the
+ * resulting softmax state over its own tokens.
  *
  * Math is float32 with an online softmax: scores are computed for a chunk of
  * tokens, then the running max, running sum and accumulators are updated
@@ -39,7 +45,8 @@ enum {
     STATUS_BAD_CONTEXT_LEN = 1,
     STATUS_BAD_BLOCK_ID = 2,
     STATUS_BAD_DTYPE = 3,
-    STATUS_NO_MEMORY = 4
+    STATUS_NO_MEMORY = 4,
+    STATUS_BAD_GROUP = 5
 };
 
 #define CHUNK_TOKENS 64
@@ -61,6 +68,8 @@ typedef struct {
     int num_seqs, num_heads, num_kv_heads, head_dim;
     int num_blocks, block_size, max_blocks, dtype;
     float scale;
+    const int32_t *prefix_lens; /* decode: [num_seqs] leading tokens already attended (0: none), or NULL */
+    const float *state;         /* decode: [num_seqs, num_heads, head_dim + 2] max, sum, accumulator of them */
 } Problem;
 
 typedef struct {
@@ -503,18 +512,27 @@ static int next_chunk(const Problem *p, const int32_t *table, int *pos, int end,
 }
 
 /* One sequence, every kv head, CHUNK_TOKENS tokens at a time (runs of whole blocks, each
- * block's rows of all heads one contiguous run of the pool). */
+ * block's rows of all heads one contiguous run of the pool), from its prefix state when it has
+ * one (p->prefix_lens). */
 static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
     int d = p->head_dim, bs = p->block_size, num_heads = p->num_heads;
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * bs) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
+    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
     reset_state(d, num_heads, s);
-    for (int h = 0; h < num_heads; h++) load_query(p, seq, h, h, s);
+    for (int h = 0; h < num_heads; h++) {
+        load_query(p, seq, h, h, s);
+        if (prefix > 0) {
+            const float *state = p->state + ((int64_t)seq * num_heads + h) * (d + 2);
+            s->max[h] = state[0], s->sum[h] = state[1];
+            memcpy(s->acc + (size_t)h * d, state + 2, sizeof(float) * d);
+        }
+    }
     int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
     int group = num_heads / p->num_kv_heads;
     Segment segments[CHUNK_TOKENS];
-    for (int pos = 0; pos < context_len;) {
+    for (int pos = prefix; pos < context_len;) {
         int n = 0, num_segments = next_chunk(p, table, &pos, context_len, segments, &n);
         if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
         for (int i = 0; i < num_segments; i++) {
@@ -762,28 +780,23 @@ static void accumulate_columns(const Problem *p, const float *weights, const cha
         }
 }
 
-/* Causal prefill attention of one tile of a chunk: query tokens tile_start .. +16 of sequence
- * `seq` (packed rows query_start + ...), the query heads of `kv_head`, over every cached
- * position up to each token's own. Scratch column r is token r / group, head kv_head * group +
- * r % group, in the key-major layout above; s->acc is acc^T, [d][stride]. */
-static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
-                               Scratch *s) {
+/* Attention of a column tile: num_tokens consecutive packed q rows from first_row (a prefill
+ * chunk's tokens, or the member sequences of a shared prefix), each with the query heads of
+ * `kv_head`, over keys [0, key_end) of `table`; row token i sees keys up to position
+ * first_pos + i. Leaves each row's softmax state in the scratch (column r: token r / group,
+ * head kv_head * group + r % group; s->acc is acc^T, [d][stride]). */
+static int attend_columns(const Problem *p, const int32_t *table, int key_end, int64_t first_row, int num_tokens,
+                          int first_pos, int kv_head, Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    int context_len = p->context_lens[seq];
-    if (query_len < 1 || query_len > context_len || context_len > (int64_t)p->max_blocks * p->block_size)
-        return STATUS_BAD_CONTEXT_LEN;
-    const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int num_tokens = query_len - tile_start < PREFILL_TILE ? query_len - tile_start : PREFILL_TILE;
-    int num_rows = num_tokens * group, first_pos = context_len - query_len + tile_start;
-    int stride = PREFILL_TILE * group, num_vecs = (num_rows + 15) / 16;
+    int num_rows = num_tokens * group, stride = PREFILL_TILE * group, num_vecs = (num_rows + 15) / 16;
     reset_state(d, stride, s);
-    load_queries_transposed(p, query_start + tile_start, kv_head, num_rows, stride, s);
+    load_queries_transposed(p, first_row, kv_head, num_rows, stride, s);
     int element_bytes = (int)element_size(p->dtype);
     int64_t row_stride = (int64_t)p->num_kv_heads * d * element_bytes, head_offset = (int64_t)kv_head * d * element_bytes;
     Segment segments[CHUNK_TOKENS];
-    for (int pos = 0; pos < first_pos + num_tokens;) {
+    for (int pos = 0; pos < key_end;) {
         int chunk_pos = pos, n = 0;
-        int num_segments = next_chunk(p, table, &pos, first_pos + num_tokens, segments, &n);
+        int num_segments = next_chunk(p, table, &pos, key_end, segments, &n);
         if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
         for (int i = 0; i < num_segments; i++)
             score_columns(p, segments[i].keys + head_offset, row_stride, segments[i].length, num_vecs, stride, s,
@@ -803,12 +816,51 @@ static int attend_prefill_tile(const Problem *p, int seq, int query_start, int q
             accumulate_columns(p, s->scores + (size_t)segments[i].start * stride, segments[i].values + head_offset,
                                row_stride, element_bytes, segments[i].length, num_vecs, stride, s);
     }
-    size_t row_bytes = (size_t)d * element_bytes;
-    for (int r = 0; r < num_rows; r++) {
+    return STATUS_OK;
+}
+
+/* Column r of acc^T (stride columns) into s->row. */
+static const float *accumulator_row(int d, int stride, int r, Scratch *s) {
+    for (int i = 0; i < d; i++) s->row[i] = s->acc[(size_t)i * stride + r];
+    return s->row;
+}
+
+/* Causal prefill attention of one tile of a chunk: query tokens tile_start .. +16 of sequence
+ * `seq` (packed rows query_start + ...), the query heads of `kv_head`, over every cached
+ * position up to each token's own. */
+static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
+                               Scratch *s) {
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    int context_len = p->context_lens[seq];
+    if (query_len < 1 || query_len > context_len || context_len > (int64_t)p->max_blocks * p->block_size)
+        return STATUS_BAD_CONTEXT_LEN;
+    int num_tokens = query_len - tile_start < PREFILL_TILE ? query_len - tile_start : PREFILL_TILE;
+    int first_pos = context_len - query_len + tile_start;
+    int code = attend_columns(p, p->block_tables + (int64_t)seq * p->max_blocks, first_pos + num_tokens,
+                              query_start + tile_start, num_tokens, first_pos, kv_head, s);
+    if (code != STATUS_OK) return code;
+    size_t row_bytes = (size_t)d * element_size(p->dtype);
+    for (int r = 0; r < num_tokens * group; r++) {
         int64_t row = query_start + tile_start + r / group;
-        for (int i = 0; i < d; i++) s->row[i] = s->acc[(size_t)i * stride + r];
-        store_row((char *)p->out + (row * p->num_heads + kv_head * group + r % group) * row_bytes, s->row,
-                  1.0f / s->sum[r], d, p->dtype);
+        store_row((char *)p->out + (row * p->num_heads + kv_head * group + r % group) * row_bytes,
+                  accumulator_row(d, PREFILL_TILE * group, r, s), 1.0f / s->sum[r], d, p->dtype);
+    }
+    return STATUS_OK;
+}
+
+/* Cascade decode, first pass: the shared prefix [0, prefix) of decode sequences first .. first +
+ * num_members (one tile of at most PREFILL_TILE of them), read once for all of them; each
+ * member's softmax state over it into state ([num_seqs, num_heads, d + 2]). */
+static int attend_shared_prefix(const Problem *p, int first, int num_members, int prefix, int kv_head, float *state,
+                                Scratch *s) {
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    int code = attend_columns(p, p->block_tables + (int64_t)first * p->max_blocks, prefix, first, num_members,
+                              prefix - 1, kv_head, s);
+    if (code != STATUS_OK) return code;
+    for (int r = 0; r < num_members * group; r++) {
+        float *row_state = state + ((int64_t)(first + r / group) * p->num_heads + kv_head * group + r % group) * (d + 2);
+        row_state[0] = s->max[r], row_state[1] = s->sum[r];
+        memcpy(row_state + 2, accumulator_row(d, PREFILL_TILE * group, r, s), sizeof(float) * d);
     }
     return STATUS_OK;
 }
@@ -818,6 +870,11 @@ static int attend_seq_vector(const Problem *p, int seq, Scratch *s) { (void)p, (
 static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
                                Scratch *s) {
     (void)p, (void)seq, (void)query_start, (void)query_len, (void)tile_start, (void)kv_head, (void)s;
+    return STATUS_BAD_DTYPE;
+}
+static int attend_shared_prefix(const Problem *p, int first, int num_members, int prefix, int kv_head, float *state,
+                                Scratch *s) {
+    (void)p, (void)first, (void)num_members, (void)prefix, (void)kv_head, (void)state, (void)s;
     return STATUS_BAD_DTYPE;
 }
 #endif
@@ -838,34 +895,101 @@ static float *alloc_scratch(Scratch *s, int num_queries, int d) {
     return base;
 }
 
+/* 1 when every group row (first, end, prefix_tokens) is valid: in order and disjoint, at least
+ * 2 members, 0 < prefix < every member's context, and every member holding the first member's
+ * blocks for the prefix. */
+static int groups_are_valid(const Problem *p, const int32_t *groups, int num_groups) {
+    int last_end = 0, bs = p->block_size;
+    for (int g = 0; g < num_groups; g++) {
+        int first = groups[3 * g], end = groups[3 * g + 1], prefix = groups[3 * g + 2];
+        if (first < last_end || end > p->num_seqs || end - first < 2 || prefix < 1) return 0;
+        for (int seq = first; seq < end; seq++) {
+            if (prefix >= p->context_lens[seq] || p->context_lens[seq] > (int64_t)p->max_blocks * bs) return 0;
+            const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
+            if (memcmp(table, p->block_tables + (int64_t)first * p->max_blocks, sizeof(int32_t) * ((prefix + bs - 1) / bs)))
+                return 0;
+        }
+        last_end = end;
+    }
+    return 1;
+}
+
+/* The cascade's first-pass work: (first member, members, prefix) per tile of at most
+ * PREFILL_TILE members of a group, into tiles; marks every member's prefix_lens. Returns the
+ * number of tiles. */
+static int shared_prefix_tiles(const int32_t *groups, int num_groups, int32_t *tiles, int32_t *prefix_lens) {
+    int num_tiles = 0;
+    for (int g = 0; g < num_groups; g++) {
+        int first = groups[3 * g], end = groups[3 * g + 1], prefix = groups[3 * g + 2];
+        for (int start = first; start < end; start += PREFILL_TILE, num_tiles++) {
+            tiles[3 * num_tiles] = start;
+            tiles[3 * num_tiles + 1] = end - start < PREFILL_TILE ? end - start : PREFILL_TILE;
+            tiles[3 * num_tiles + 2] = prefix;
+        }
+        for (int seq = first; seq < end; seq++) prefix_lens[seq] = prefix;
+    }
+    return num_tiles;
+}
+
 /* Entry point. Returns a STATUS_* code; on STATUS_OK every element of `out`
- * has been written. Runs on `num_threads` OpenMP threads. */
+ * has been written. Runs on `num_threads` OpenMP threads.
+ *
+ * `groups` (num_groups rows (first, end, prefix_tokens), see groups_are_valid): decode sequences
+ * first .. end - 1 share their first prefix_tokens tokens. On the AVX-512 path that prefix is
+ * attended once for all members (cascade attention: a column tile of up to PREFILL_TILE members,
+ * its K and V read once), then each sequence continues from that state over its own tokens;
+ * elsewhere the groups change nothing. The result is the same attention. */
 int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                               const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                               int num_heads, int num_kv_heads, int head_dim, int num_blocks,
-                              int block_size, int max_blocks, float scale, int dtype, int num_threads) {
+                              int block_size, int max_blocks, float scale, int dtype, int num_threads,
+                              const int32_t *groups, int num_groups) {
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return STATUS_BAD_DTYPE;
 #endif
     if (dtype < DTYPE_F32 || dtype > DTYPE_F16) return STATUS_BAD_DTYPE;
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale};
-    int status = STATUS_OK;
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
+    if (!groups_are_valid(&p, groups, num_groups)) return STATUS_BAD_GROUP;
+    int is_vector = is_vector_problem(&p), group = num_heads / num_kv_heads;
+    int num_tiles = 0, status = STATUS_OK;
+    int32_t *tiles = NULL, *prefix_lens = NULL;
+    float *state = NULL;
+    if (is_vector && num_groups > 0) {
+        tiles = (int32_t *)malloc(sizeof(int32_t) * 3 * (size_t)num_seqs);
+        prefix_lens = (int32_t *)calloc((size_t)num_seqs, sizeof(int32_t));
+        state = (float *)malloc(sizeof(float) * (size_t)num_seqs * num_heads * (head_dim + 2));
+        if (tiles == NULL || prefix_lens == NULL || state == NULL) status = STATUS_NO_MEMORY;
+        else num_tiles = shared_prefix_tiles(groups, num_groups, tiles, prefix_lens);
+        p.prefix_lens = prefix_lens, p.state = state;
+    }
     int64_t work = 0;
     for (int seq = 0; seq < num_seqs; seq++)
         work += (int64_t)context_lens[seq] * num_kv_heads;
-    int is_vector = is_vector_problem(&p);
     int num_items = is_vector ? num_seqs : num_seqs * num_kv_heads;
+    int scratch_rows = is_vector ? num_heads : group;
+    scratch_rows = num_tiles > 0 && PREFILL_TILE * group > scratch_rows ? PREFILL_TILE * group : scratch_rows;
     int is_parallel = num_threads > 1 && num_items > 1 && work >= MIN_PARALLEL_WORK;
-#pragma omp parallel num_threads(num_threads) if (is_parallel)
+#pragma omp parallel num_threads(num_threads) if (is_parallel && status == STATUS_OK)
     {
         Scratch s = {0};
-        float *base = alloc_scratch(&s, is_vector ? num_heads : num_heads / num_kv_heads, head_dim);
+        float *base = status == STATUS_OK ? alloc_scratch(&s, scratch_rows, head_dim) : NULL;
         if (base == NULL) {
 #pragma omp atomic write
             status = STATUS_NO_MEMORY;
         }
-        /* A work item: a sequence (vector path), else a (sequence, kv head) pair. */
+        /* First the shared prefixes: (tile, kv head) items. */
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_tiles * num_kv_heads; item++) {
+            const int32_t *tile = tiles + 3 * (item / num_kv_heads);
+            int code = base ? attend_shared_prefix(&p, tile[0], tile[1], tile[2], item % num_kv_heads, state, &s)
+                            : STATUS_OK;
+            if (code != STATUS_OK) {
+#pragma omp atomic write
+                status = code;
+            }
+        }
+        /* Then a work item: a sequence (vector path), else a (sequence, kv head) pair. */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_items; item++) {
             int code = STATUS_OK;
@@ -878,6 +1002,7 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
         }
         free(base);
     }
+    free(tiles), free(prefix_lens), free(state);
     return status;
 }
 
@@ -898,7 +1023,7 @@ int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, co
                                int num_blocks, int block_size, int max_blocks, float scale, int dtype,
                                int num_threads) {
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale};
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
     if (!is_vector_problem(&p)) return STATUS_BAD_DTYPE;
     int num_tiles = 0;
     for (int seq = 0; seq < num_seqs; seq++) {
