@@ -50,6 +50,8 @@ enum {
 };
 
 #define CHUNK_TOKENS 64
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
 /* The AVX-512 path (float32 / bfloat16, head_dim a multiple of 32) keeps this many query
  * heads' accumulators in registers at once. */
 #define MAX_VECTOR_GROUP 8
@@ -82,7 +84,6 @@ typedef struct {
     uint32_t *weight_pairs; /* [queries, CHUNK_TOKENS / 2] bf16 pairs of weights (AVX-512 bf16 path) */
     float *max;     /* [queries] running max */
     float *sum;     /* [queries] running sum of exp */
-    float *correction; /* [queries] the prefill softmax's new max, then its rescale factors */
     int64_t slots[CHUNK_TOKENS];
     const float *rows[CHUNK_TOKENS]; /* float32 K or V rows of the chunk */
 } Scratch;
@@ -570,7 +571,8 @@ static int attend_seq_vector(const Problem *p, int seq, Scratch *s) {
  * The prefill kernel keeps a tile's rows in columns (key-major): with `stride` rows (the tile's
  * rows rounded up to 16), s->q holds Q transposed ([d / 2][stride] bf16 pairs (q[2i], q[2i+1])
  * where the bf16 dot instruction runs, else [d][stride] pre-scaled float32), s->scores
- * [CHUNK_TOKENS][stride] the chunk's scores and then weights, s->weight_pairs
+ * [CHUNK_TOKENS][stride] the chunk's scores (in log2 units: q.k * scale * log2(e), so the
+ * softmax's exponentials are powers of 2, see exp2_16) and then weights, s->weight_pairs
  * [CHUNK_TOKENS / 2][stride]. A key's scores for 16 rows are then one vector: its K elements are
  * broadcast from the pool as they lie (no transpose, no horizontal sums), and the softmax's max
  * and sums run down the columns.
@@ -598,7 +600,7 @@ static void load_queries_transposed(const Problem *p, int64_t first_row, int kv_
             for (int i = 0; i < d / 2; i++) ((uint32_t *)s->q)[(size_t)i * stride + r] = ((const uint32_t *)q)[i];
         } else {
             const float *row = as_float(q, s->row, d, p->dtype);
-            for (int i = 0; i < d; i++) s->q[(size_t)i * stride + r] = row[i] * p->scale;
+            for (int i = 0; i < d; i++) s->q[(size_t)i * stride + r] = row[i] * (p->scale * LOG2E);
         }
     }
 }
@@ -625,7 +627,8 @@ static inline __attribute__((always_inline)) void score_columns_tile(const Probl
         }
         for (int u = 0; u < keys; u++)
             for (int j = 0; j < vecs; j++)
-                _mm512_storeu_ps(scores + (size_t)u * stride + 16 * j, _mm512_mul_ps(_mm512_set1_ps(p->scale), acc[u][j]));
+                _mm512_storeu_ps(scores + (size_t)u * stride + 16 * j,
+                                 _mm512_mul_ps(_mm512_set1_ps(p->scale * LOG2E), acc[u][j]));
         return;
     }
 #endif
@@ -675,35 +678,46 @@ __attribute__((noinline)) static void mask_future_keys(int chunk_pos, int n, int
     }
 }
 
-/* update_softmax over key-major scores: rows r < num_rows, n keys. Key 0 is never masked, so a
- * row's running max is finite after its first chunk. */
-static void softmax_columns(int d, int num_rows, int stride, int n, Scratch *s) {
-    float *restrict max = s->max, *restrict sum = s->sum, *restrict correction = s->correction;
-    float *restrict acc = s->acc, *restrict scores = s->scores;
-    for (int r = 0; r < num_rows; r++) correction[r] = max[r]; /* the new max, first */
-    for (int t = 0; t < n; t++)
-#pragma omp simd
-        for (int r = 0; r < num_rows; r++) {
-            float score = scores[(size_t)t * stride + r];
-            correction[r] = score > correction[r] ? score : correction[r];
+/* 2^x for 16 floats x <= 0 (below -150, -inf included, 0): x = n + f with n an integer and
+ * |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1.3e-7), times 2^n exactly
+ * (scalef). NaN stays NaN. */
+static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* a NaN x is returned as it is */
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 poly = _mm512_set1_ps(1.5403530393381606e-4f);
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.3333558146428441e-3f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.618129107628477e-3f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821576e-2f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402265069591007e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931471805599453e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(poly, n);
+}
+
+/* update_softmax over key-major scores (log2 units) of n keys, for row vectors 0 .. num_vecs:
+ * per vector of 16 rows, the new running max, the rescale of the sum and accumulator, and the
+ * weights 2^(score - max). Key 0 is never masked, so a row's running max is finite after its
+ * first chunk; padding rows get weights too, and are never stored. */
+static void softmax_columns(int d, int num_vecs, int stride, int n, Scratch *s) {
+    for (int j = 0; j < num_vecs; j++) {
+        float *scores = s->scores + 16 * j;
+        __m512 old_max = _mm512_loadu_ps(s->max + 16 * j), max = old_max;
+        for (int t = 0; t < n; t++) max = _mm512_max_ps(max, _mm512_loadu_ps(scores + (size_t)t * stride));
+        __m512 correction = exp2_16(_mm512_sub_ps(old_max, max));
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s->sum + 16 * j), correction);
+        for (int t = 0; t < n; t++) {
+            __m512 weight = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(scores + (size_t)t * stride), max));
+            _mm512_storeu_ps(scores + (size_t)t * stride, weight);
+            sum = _mm512_add_ps(sum, weight);
         }
-#pragma omp simd
-    for (int r = 0; r < num_rows; r++) {
-        float new_max = correction[r];
-        correction[r] = vector_expf(max[r] - new_max);
-        max[r] = new_max;
-        sum[r] *= correction[r];
+        _mm512_storeu_ps(s->max + 16 * j, max);
+        _mm512_storeu_ps(s->sum + 16 * j, sum);
+        for (int i = 0; i < d; i++) {
+            float *acc = s->acc + (size_t)i * stride + 16 * j;
+            _mm512_storeu_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(acc), correction));
+        }
     }
-    for (int i = 0; i < d; i++)
-#pragma omp simd
-        for (int r = 0; r < num_rows; r++) acc[(size_t)i * stride + r] *= correction[r];
-    for (int t = 0; t < n; t++)
-#pragma omp simd
-        for (int r = 0; r < num_rows; r++) {
-            float weight = vector_expf(scores[(size_t)t * stride + r] - max[r]);
-            scores[(size_t)t * stride + r] = weight;
-            sum[r] += weight;
-        }
 }
 
 #if defined(__AVX512BF16__)
@@ -802,7 +816,7 @@ static int attend_columns(const Problem *p, const int32_t *table, int key_end, i
             score_columns(p, segments[i].keys + head_offset, row_stride, segments[i].length, num_vecs, stride, s,
                           s->scores + (size_t)segments[i].start * stride);
         mask_future_keys(chunk_pos, n, first_pos, group, num_rows, stride, s);
-        softmax_columns(d, num_rows, stride, n, s);
+        softmax_columns(d, num_vecs, stride, n, s);
 #if defined(__AVX512BF16__)
         if (p->dtype == DTYPE_BF16) {
             pack_value_pairs(p, segments, num_segments, head_offset, row_stride, s);
@@ -859,7 +873,7 @@ static int attend_shared_prefix(const Problem *p, int first, int num_members, in
     if (code != STATUS_OK) return code;
     for (int r = 0; r < num_members * group; r++) {
         float *row_state = state + ((int64_t)(first + r / group) * p->num_heads + kv_head * group + r % group) * (d + 2);
-        row_state[0] = s->max[r], row_state[1] = s->sum[r];
+        row_state[0] = s->max[r] * LN2, row_state[1] = s->sum[r]; /* the decode pass's max is in natural units */
         memcpy(row_state + 2, accumulator_row(d, PREFILL_TILE * group, r, s), sizeof(float) * d);
     }
     return STATUS_OK;
@@ -880,7 +894,7 @@ static int attend_shared_prefix(const Problem *p, int first, int num_members, in
 #endif
 
 static float *alloc_scratch(Scratch *s, int num_queries, int d) {
-    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 3 + CHUNK_TOKENS / 2) + (size_t)(CHUNK_TOKENS + 1) * d;
+    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 2 + CHUNK_TOKENS / 2) + (size_t)(CHUNK_TOKENS + 1) * d;
     float *base = (float *)malloc(sizeof(float) * floats);
     if (base == NULL) return NULL;
     s->q = base;
@@ -888,8 +902,7 @@ static float *alloc_scratch(Scratch *s, int num_queries, int d) {
     s->scores = s->acc + (size_t)num_queries * d;
     s->max = s->scores + (size_t)num_queries * CHUNK_TOKENS;
     s->sum = s->max + num_queries;
-    s->correction = s->sum + num_queries;
-    s->row = s->correction + num_queries;
+    s->row = s->sum + num_queries;
     s->converted = s->row + d;
     s->weight_pairs = (uint32_t *)(s->converted + (size_t)CHUNK_TOKENS * d);
     return base;
