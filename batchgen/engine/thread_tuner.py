@@ -12,7 +12,11 @@ Every `TRIAL_PERIOD` steps a trial runs the current count and its neighbours (on
 more up to the ceiling) for `TRIAL_STEPS` steps each, interleaved, on steps of about one size
 (a step more than `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the
 trial again: a prefill chunk costs far less per token than a decode step), and keeps the count
-with the least median seconds per scheduled token. While trials keep the count, the period
+with the least median seconds per scheduled token. Only steps of at most `TRIAL_MAX_TOKENS`
+tokens are trial steps; larger ones run at the chosen count: a trial costs its steps' time at a
+worse count, and on a 2048-token prefill step that was 1.2 s a step (measured on long-in, bf16:
+its 4 steps at one thread took 8.95 s against about 5 s at two, 16% of the run). A large step is
+also where a busy core hurts least: its few barriers each wait on a long share of work. While trials keep the count, the period
 doubles (trials cost a few steps at a worse count), up to `MAX_TRIAL_PERIOD`. The first trial
 starts after `FIRST_TRIAL_STEP` steps.
 
@@ -36,6 +40,7 @@ TRIAL_PERIOD = 64  # steps at the chosen count after a trial that changed it
 MAX_TRIAL_PERIOD = 1024  # the period doubles up to this while trials keep the count
 TRIAL_STEPS = 4  # decode steps per candidate count in a trial
 FIRST_TRIAL_STEP = 8  # the first steps meet each kernel and shape for the first time: not a fair trial
+TRIAL_MAX_TOKENS = 512  # larger steps are never trial steps
 SIMILAR_TOKENS = 1.3  # steps whose token counts differ by less than this factor compare in a trial
 
 
@@ -48,19 +53,24 @@ class ThreadTuner:
         self._trial: list[int] = []  # the counts of the trial's steps still to run, in order
         self._seconds_per_token: dict[int, list[float]] = {}
         self._trial_tokens = 0  # the scheduled tokens of the trial's first step
+        self._is_trial_step = False  # whether the step `start_step` set up is one of the trial's
 
     def start_step(self, num_tokens: int) -> None:
         """Set torch's thread count for the next step, of `num_tokens` scheduled tokens: a trial's
         candidate, or the chosen count. A trial compares steps of about one size: a step more than
-        `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the trial again."""
-        due = not self._trial and self._steps_to_trial == 0 and self.max_threads > 1
-        if due or (self._trial and not _similar(num_tokens, self._trial_tokens)):
-            others = {max(1, self.num_threads - 1), min(self.max_threads, self.num_threads + 1)} - {self.num_threads}
-            candidates = [self.num_threads, *sorted(others)]  # the chosen count first: a restart costs nothing
-            self._trial = candidates * TRIAL_STEPS
-            self._trial_tokens = num_tokens
-            self._seconds_per_token = {count: [] for count in candidates}
-        threads = self._trial[0] if self._trial else self.num_threads
+        `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the trial again; a
+        step of more than `TRIAL_MAX_TOKENS` runs at the chosen count and leaves the trial as it is."""
+        self._is_trial_step = False
+        if num_tokens <= TRIAL_MAX_TOKENS:
+            due = not self._trial and self._steps_to_trial == 0 and self.max_threads > 1
+            if due or (self._trial and not _similar(num_tokens, self._trial_tokens)):
+                others = {max(1, self.num_threads - 1), min(self.max_threads, self.num_threads + 1)} - {self.num_threads}
+                candidates = [self.num_threads, *sorted(others)]  # the chosen count first: a restart costs nothing
+                self._trial = candidates * TRIAL_STEPS
+                self._trial_tokens = num_tokens
+                self._seconds_per_token = {count: [] for count in candidates}
+            self._is_trial_step = bool(self._trial)
+        threads = self._trial[0] if self._is_trial_step else self.num_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
@@ -71,7 +81,7 @@ class ThreadTuner:
 
     def end_step(self, seconds: float, num_tokens: int) -> None:
         """Record the step that `start_step` set up: its wall time and scheduled tokens."""
-        if not self._trial:
+        if not self._is_trial_step:
             self._steps_to_trial = max(self._steps_to_trial - 1, 0)
             return
         self._seconds_per_token[self._trial.pop(0)].append(seconds / max(num_tokens, 1))

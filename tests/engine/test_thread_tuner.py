@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.thread_tuner import FIRST_TRIAL_STEP, MAX_TRIAL_PERIOD, TRIAL_PERIOD, ThreadTuner
+from batchgen.engine.thread_tuner import (FIRST_TRIAL_STEP, MAX_TRIAL_PERIOD, TRIAL_MAX_TOKENS, TRIAL_PERIOD,
+                                          ThreadTuner)
 from tests.conftest import torch_threads
 
 
@@ -47,9 +48,20 @@ def test_a_busy_core_moves_it_down_one_thread_per_trial_and_back_when_the_load_g
 
 def test_a_trial_compares_steps_of_one_size_only(four_threads):
     tuner = ThreadTuner()
-    counts = run_steps(tuner, FIRST_TRIAL_STEP + 50, {3: 0.1, 4: 1.0}, sizes=(2048, 32))
+    counts = run_steps(tuner, FIRST_TRIAL_STEP + 50, {3: 0.1, 4: 1.0}, sizes=(400, 32))
     assert set(counts) == {4} and tuner.num_threads == 4  # each step of the other size restarts the trial
     run_steps(tuner, 12, {3: 0.1, 4: 1.0}, sizes=(40, 36))  # close enough: the trial completes
+    assert tuner.num_threads == 3
+
+
+def test_steps_above_the_trial_size_run_at_the_chosen_count_and_leave_the_trial_going(four_threads):
+    tuner = ThreadTuner()
+    big = TRIAL_MAX_TOKENS + 1
+    counts = run_steps(tuner, FIRST_TRIAL_STEP + 200, {3: 0.1, 4: 1.0}, sizes=(big,))
+    assert set(counts) == {4} and tuner.num_threads == 4  # never a trial
+    counts = run_steps(tuner, 16, {3: 0.1, 4: 1.0}, sizes=(big, 32))
+    assert counts[1::2] == [4, 3] * 4  # the small steps: a trial of 4 and 3 threads, undisturbed by the big ones
+    assert counts[0::2] == [4] * 8  # the big steps: the chosen count
     assert tuner.num_threads == 3
 
 
