@@ -8,6 +8,10 @@ over the pool. Prints the median of repeated timings per dtype.
 Then one causal prefill of 512 and of 2048 tokens: the C prefill kernel over the paged pool
 (where this CPU runs it: AVX-512) against SDPA on the same K/V laid out densely.
 
+Then cascade decode: 64 sequences in 4 groups of 16 that share a 1024-token prefix (the same
+blocks) and each hold 64 tokens of their own (shared-system's shape), the decode kernel with
+the engine's shared-prefix groups against without.
+
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
 
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import cpu_attention
+from batchgen.kernels.attention import shared_prefix_groups
 
 NUM_SEQS, CONTEXT_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 1024, 9, 3, 64, 16
 
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         name = str(dtype).removeprefix("torch.")
         print(f"{name:<10}{kernel_ms:>12.3f}{torch_ms:>17.3f}{torch_ms / kernel_ms:>9.1f}x{diff.item():>15.2e}")
     compare_prefill(max(3, repeats // 10), scale)
+    compare_cascade(repeats, scale)
 
 
 def compare_prefill(repeats: int, scale: float) -> None:
@@ -110,6 +116,42 @@ def compare_prefill(repeats: int, scale: float) -> None:
             flops = 4 * NUM_HEADS * HEAD_DIM * num_tokens * num_tokens / 2
             print(f"{str(dtype).removeprefix('torch.'):<10}{num_tokens:>7}{kernel_ms:>11.2f}{sdpa_ms:>9.2f}"
                   f"{sdpa_ms / kernel_ms:>8.2f}x{flops / kernel_ms / 1e6:>16.0f}{diff.item():>14.2e}")
+
+
+
+def shared_prefix_inputs(dtype: torch.dtype, num_groups: int = 4, group_size: int = 16, prefix_len: int = 1024,
+                         own_len: int = 64):
+    """Decode inputs of num_groups x group_size sequences: each group's members hold the same
+    prefix blocks, then blocks of their own; every block at a random place in the pool."""
+    prefix_blocks, own_blocks = prefix_len // BLOCK_SIZE, own_len // BLOCK_SIZE
+    num_seqs = num_groups * group_size
+    num_blocks = num_groups * prefix_blocks + num_seqs * own_blocks
+    block_ids = torch.randperm(num_blocks).to(torch.int32)
+    prefixes = block_ids[: num_groups * prefix_blocks].view(num_groups, prefix_blocks)
+    own = block_ids[num_groups * prefix_blocks:].view(num_seqs, own_blocks)
+    block_tables = torch.cat([prefixes.repeat_interleave(group_size, dim=0), own], dim=1).contiguous()
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.randn(cache_shape).to(dtype), torch.randn(cache_shape).to(dtype)
+    q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM).to(dtype)
+    context_lens = torch.full((num_seqs,), prefix_len + own_len, dtype=torch.int32)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
+def compare_cascade(repeats: int, scale: float) -> None:
+    """The decode kernel on shared-prefix rows, with the engine's groups (cascade) and without."""
+    print(f"\ncascade decode, 4 groups x 16 sequences, 1024 shared + 64 own tokens\n{'dtype':<10}{'plain ms':>10}"
+          f"{'cascade ms':>12}{'speedup':>9}{'max abs diff':>14}")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(dtype)
+        groups = torch.tensor(shared_prefix_groups(block_tables.tolist(), context_lens.tolist(), len(q), BLOCK_SIZE),
+                              dtype=torch.int32)
+        args = (q, k_cache, v_cache, block_tables, context_lens, scale)
+        plain_ms = median_ms(cpu_attention.paged_decode_attention, args, repeats)
+        cascade_ms = median_ms(lambda: cpu_attention.paged_decode_attention(*args, groups=groups), (), repeats)
+        diff = (cpu_attention.paged_decode_attention(*args, groups=groups).float()
+                - cpu_attention.paged_decode_attention(*args).float()).abs().max()
+        print(f"{str(dtype).removeprefix('torch.'):<10}{plain_ms:>10.3f}{cascade_ms:>12.3f}{plain_ms / cascade_ms:>8.2f}x"
+              f"{diff.item():>14.2e}")
 
 
 if __name__ == "__main__":

@@ -148,12 +148,24 @@ def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
     lines = capsys.readouterr().out.splitlines()
     decode = lines[lines.index(next(line for line in lines if "gather+sdpa ms" in line)) + 1:][:2]
     assert [line.split()[0] for line in decode] == ["float32", "bfloat16"] and float(decode[0].split()[-1]) < 1e-4
-    prefill = lines[lines.index(next(line for line in lines if "kernel GFLOP/s" in line)) + 1:]
+    cascade_header = lines.index(next(line for line in lines if "cascade ms" in line))
+    prefill = lines[lines.index(next(line for line in lines if "kernel GFLOP/s" in line)) + 1:cascade_header]
     if cpu_attention.prefill_supported(torch.float32, bench_cpu_attention.HEAD_DIM):
         fp32 = [float(line.split()[-1]) for line in prefill if line.startswith("float32")]
         bf16 = [float(line.split()[-1]) for line in prefill if line.startswith("bfloat16")]
         assert len(fp32) == len(bf16) == 2  # 512 and 2048 tokens
         assert max(fp32) < 1e-4 and max(bf16) < 5e-2  # the kernel's largest difference from SDPA
+    cascade = lines[cascade_header + 1:]
+    assert [line.split()[0] for line in cascade] == ["float32", "bfloat16"]
+    assert float(cascade[0].split()[-1]) < 1e-5 and float(cascade[1].split()[-1]) < 5e-2  # cascade against plain
+
+
+def test_cascade_bench_inputs_share_exactly_each_groups_prefix_blocks():
+    q, _, _, block_tables, context_lens = bench_cpu_attention.shared_prefix_inputs(torch.float32, 2, 3, 32, 16)
+    assert q.shape[0] == 6 and context_lens.tolist() == [48] * 6
+    assert block_tables[:3, :2].unique(dim=0).shape[0] == 1 and block_tables[3:, :2].unique(dim=0).shape[0] == 1
+    assert not set(block_tables[:3, :2].flatten().tolist()) & set(block_tables[3:, :2].flatten().tolist())
+    assert len(set(block_tables[:, 2].tolist())) == 6
 
 
 def test_profile_splits_each_systems_time(tmp_path, one_thread, capsys):
