@@ -251,10 +251,10 @@ class NativeBackend(AttentionBackend):
 
     `decode` is the batched paged decode function for this device. When `shares_prefixes`, it
     takes `groups=` (metadata.decode_groups) and reads a group's shared prefix once for all its
-    sequences (cascade attention). `prefill`, when given,
-    attends every prefill chunk over the pool in one call and returns False where it does not
-    apply (then SDPA runs them). Through SDPA, a prefill chunk with no cached context attends to
-    its own new K/V without touching the pool.
+    sequences (cascade attention). `prefill`, when given, attends every prefill chunk over the
+    pool in one call and returns False where it does not apply (then SDPA runs them). Through
+    SDPA, a prefill chunk with no cached context attends to its own new K/V without touching
+    the pool.
     """
 
     name = "native"
