@@ -612,7 +612,7 @@ static void load_queries_transposed(const Problem *p, int64_t first_row, int kv_
 static inline __attribute__((always_inline)) void score_columns_tile(const Problem *p, const float *q, const char *k,
                                                                      int64_t row_stride, int stride, float *scores,
                                                                      const int keys, const int vecs) {
-    __m512 acc[4][3];
+    __m512 acc[8][3];
     for (int u = 0; u < keys; u++)
         for (int j = 0; j < vecs; j++) acc[u][j] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
@@ -650,12 +650,12 @@ static inline __attribute__((always_inline)) void score_columns_tile(const Probl
     case (keys) * 4 + (vecs): score_columns_tile(p, q, k_rows, row_stride, stride, scores, keys, vecs); break;
 
 /* Key-major scores of a run of n keys (from `k`) for row vectors 0 .. num_vecs of s->q, into
- * key_scores, 4 keys x 3 row vectors at a time. */
-__attribute__((noinline)) static void score_columns(const Problem *p, const char *k, int64_t row_stride, int n, int num_vecs, int stride,
+ * key_scores, 8 keys x 3 row vectors at a time (24 accumulators; measured 5-30% faster than 4 x 3). */
+static void score_columns(const Problem *p, const char *k, int64_t row_stride, int n, int num_vecs, int stride,
                           const Scratch *s, float *key_scores) {
-    for (int t0 = 0; t0 < n; t0 += 4)
+    for (int t0 = 0; t0 < n; t0 += 8)
         for (int vec0 = 0; vec0 < num_vecs; vec0 += 3) {
-            int keys = n - t0 < 4 ? n - t0 : 4, vecs = num_vecs - vec0 < 3 ? num_vecs - vec0 : 3;
+            int keys = n - t0 < 8 ? n - t0 : 8, vecs = num_vecs - vec0 < 3 ? num_vecs - vec0 : 3;
             const float *q = s->q + 16 * vec0;
             const char *k_rows = k + t0 * row_stride;
             float *scores = key_scores + (size_t)t0 * stride + 16 * vec0;
@@ -664,13 +664,17 @@ __attribute__((noinline)) static void score_columns(const Problem *p, const char
                 SCORE_COLUMNS_CASE(2, 1) SCORE_COLUMNS_CASE(2, 2) SCORE_COLUMNS_CASE(2, 3)
                 SCORE_COLUMNS_CASE(3, 1) SCORE_COLUMNS_CASE(3, 2) SCORE_COLUMNS_CASE(3, 3)
                 SCORE_COLUMNS_CASE(4, 1) SCORE_COLUMNS_CASE(4, 2) SCORE_COLUMNS_CASE(4, 3)
+                SCORE_COLUMNS_CASE(5, 1) SCORE_COLUMNS_CASE(5, 2) SCORE_COLUMNS_CASE(5, 3)
+                SCORE_COLUMNS_CASE(6, 1) SCORE_COLUMNS_CASE(6, 2) SCORE_COLUMNS_CASE(6, 3)
+                SCORE_COLUMNS_CASE(7, 1) SCORE_COLUMNS_CASE(7, 2) SCORE_COLUMNS_CASE(7, 3)
+                SCORE_COLUMNS_CASE(8, 1) SCORE_COLUMNS_CASE(8, 2) SCORE_COLUMNS_CASE(8, 3)
             }
         }
 }
 
 /* Key positions after a row's own token get no weight: key chunk_pos + t is masked for rows
  * r < (chunk_pos + t - first_pos) * group (row r is the token at first_pos + r / group). */
-__attribute__((noinline)) static void mask_future_keys(int chunk_pos, int n, int first_pos, int group, int num_rows, int stride, Scratch *s) {
+static void mask_future_keys(int chunk_pos, int n, int first_pos, int group, int num_rows, int stride, Scratch *s) {
     for (int t = 0; t < n; t++) {
         int masked = (chunk_pos + t - first_pos) * group;
         masked = masked < 0 ? 0 : masked > num_rows ? num_rows : masked;
@@ -723,7 +727,7 @@ static void softmax_columns(int d, int num_vecs, int stride, int n, Scratch *s) 
 #if defined(__AVX512BF16__)
 /* Key-major weights of n keys as bf16 pairs: s->weight_pairs[k * stride + r] = (w[2k][r],
  * w[2k + 1][r]), 0 for the second of an odd last key. */
-__attribute__((noinline)) static void pack_weight_columns(int num_vecs, int stride, int n, Scratch *s) {
+static void pack_weight_columns(int num_vecs, int stride, int n, Scratch *s) {
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int k = 0; 2 * k < n; k++)
