@@ -118,7 +118,6 @@ def compare_prefill(repeats: int, scale: float) -> None:
                   f"{sdpa_ms / kernel_ms:>8.2f}x{flops / kernel_ms / 1e6:>16.0f}{diff.item():>14.2e}")
 
 
-
 def shared_prefix_inputs(dtype: torch.dtype, num_groups: int = 4, group_size: int = 16, prefix_len: int = 1024,
                          own_len: int = 64):
     """Decode inputs of num_groups x group_size sequences: each group's members hold the same

@@ -12,13 +12,15 @@ Every `TRIAL_PERIOD` steps a trial runs the current count and its neighbours (on
 more up to the ceiling) for `TRIAL_STEPS` steps each, interleaved, on steps of about one size
 (a step more than `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the
 trial again: a prefill chunk costs far less per token than a decode step), and keeps the count
-with the least median seconds per scheduled token. Only steps of at most `TRIAL_MAX_TOKENS`
-tokens are trial steps; larger ones run at the chosen count: a trial costs its steps' time at a
-worse count, and on a 2048-token prefill step that was 1.2 s a step (measured on long-in, bf16:
-its 4 steps at one thread took 8.95 s against about 5 s at two, 16% of the run). A large step is
-also where a busy core hurts least: its few barriers each wait on a long share of work. While trials keep the count, the period
+with the least median seconds per scheduled token. While trials keep the count, the period
 doubles (trials cost a few steps at a worse count), up to `MAX_TRIAL_PERIOD`. The first trial
 starts after `FIRST_TRIAL_STEP` steps.
+
+Only steps of at most `TRIAL_MAX_TOKENS` tokens are trial steps; larger ones run at the chosen
+count. A trial costs its steps' time at a worse count, and on a 2048-token prefill step that was
+1.2 s a step (measured on long-in, bf16: its 4 steps at one thread took 8.95 s against about 5 s
+at two, 16% of the run). A large step is also where a busy core hurts least: its few barriers
+each wait on a long share of work.
 
 Invariants:
 - The count stays within 1 .. the ceiling: torch's count when the tuner was made

@@ -32,8 +32,8 @@ _STATUS_MESSAGES = {
     5: "a shared-prefix group is out of order or range, has one member, is not shorter than a member's context, "
        "or its members do not hold the same prefix blocks",
 }
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p,
-                                                                                                 ctypes.c_int]
+_ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
+             + [ctypes.c_void_p, ctypes.c_int])  # ..., num_threads, groups, num_groups
 _PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 
 

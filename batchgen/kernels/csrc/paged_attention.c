@@ -74,6 +74,8 @@ typedef struct {
     const float *state;         /* decode: [num_seqs, num_heads, head_dim + 2] max, sum, accumulator of them */
 } Problem;
 
+/* Per-thread scratch, in the decode layout below; the column code (prefill, cascade) lays q, acc,
+ * scores and weight_pairs out in columns (see "The prefill kernel keeps a tile's rows in columns"). */
 typedef struct {
     float *q;       /* [queries, head_dim], pre-scaled */
     float *acc;     /* [queries, head_dim] */
