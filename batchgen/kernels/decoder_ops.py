@@ -26,8 +26,14 @@ _SIGNATURES = {
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
+    return load_build()
+
+
+def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """A build of ``decoder_ops.c`` with its signatures set; `extra_flags` add to the compiler's
+    (``-mno-avx512f``: the portable loops, as a CPU without AVX-512 runs them)."""
     # no FMA contraction: float32 results then round like transformers' separate tensor ops
-    library = load_library("decoder_ops.c", ("-ffp-contract=off",))
+    library = load_library("decoder_ops.c", ("-ffp-contract=off", *extra_flags))
     if library is not None:
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)

@@ -13,6 +13,15 @@ pytestmark = pytest.mark.skipif(not decoder_ops.is_available(), reason="no C com
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True, params=["native", "portable"])
+def build(request, monkeypatch):
+    """Every test runs on this CPU's build (AVX-512 intrinsics where it has them) and on the portable
+    loops that a CPU without AVX-512 runs."""
+    if request.param == "portable":
+        library = decoder_ops.load_build(("-mno-avx512f",))
+        monkeypatch.setattr(decoder_ops, "_library", lambda: library)
+
+
 def randn(*shape, dtype, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul(3).to(dtype)
 
