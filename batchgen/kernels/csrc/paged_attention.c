@@ -739,21 +739,41 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(poly, n);
 }
 
+#if defined(__AVX512BF16__)
+/* Two keys' weights for 16 rows as bf16 pairs (w0[r], w1[r]), in row order. */
+static inline __m512i weight_pairs16(__m512 w0, __m512 w1) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)); /* w0's 16, then w1's */
+}
+#endif
+
 /* update_softmax over key-major scores (log2 units) of n keys, for row vectors 0 .. num_vecs:
  * per vector of 16 rows, the new running max, the rescale of the sum and accumulator, and the
- * weights 2^(score - max). Key 0 is never masked, so a row's running max is finite after its
- * first chunk; padding rows get weights too, and are never stored. */
-static void softmax_columns(int d, int num_vecs, int stride, int n, Scratch *s) {
+ * weights 2^(score - max): as bf16 pairs into s->weight_pairs (key pair k at k * stride, 0 for
+ * the second of an odd last key) when `as_pairs`, else over the scores. Key 0 is never masked,
+ * so a row's running max is finite after its first chunk; padding rows get weights too, and are
+ * never stored. */
+static void softmax_columns(int d, int num_vecs, int stride, int n, int as_pairs, Scratch *s) {
     for (int j = 0; j < num_vecs; j++) {
         float *scores = s->scores + 16 * j;
         __m512 old_max = _mm512_loadu_ps(s->max + 16 * j), max = old_max;
         for (int t = 0; t < n; t++) max = _mm512_max_ps(max, _mm512_loadu_ps(scores + (size_t)t * stride));
         __m512 correction = exp2_16(_mm512_sub_ps(old_max, max));
         __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s->sum + 16 * j), correction);
-        for (int t = 0; t < n; t++) {
-            __m512 weight = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(scores + (size_t)t * stride), max));
-            _mm512_storeu_ps(scores + (size_t)t * stride, weight);
-            sum = _mm512_add_ps(sum, weight);
+        for (int t = 0; t < n; t += 2) {
+            __m512 first = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(scores + (size_t)t * stride), max));
+            __m512 second = t + 1 < n ? exp2_16(_mm512_sub_ps(_mm512_loadu_ps(scores + (size_t)(t + 1) * stride), max))
+                                      : _mm512_setzero_ps();
+            sum = _mm512_add_ps(_mm512_add_ps(sum, first), second); /* key order, as one key at a time */
+#if defined(__AVX512BF16__)
+            if (as_pairs) {
+                _mm512_storeu_si512(s->weight_pairs + (size_t)(t / 2) * stride + 16 * j, weight_pairs16(first, second));
+                continue;
+            }
+#endif
+            _mm512_storeu_ps(scores + (size_t)t * stride, first);
+            if (t + 1 < n) _mm512_storeu_ps(scores + (size_t)(t + 1) * stride, second);
         }
         _mm512_storeu_ps(s->max + 16 * j, max);
         _mm512_storeu_ps(s->sum + 16 * j, sum);
@@ -763,22 +783,6 @@ static void softmax_columns(int d, int num_vecs, int stride, int n, Scratch *s) 
         }
     }
 }
-
-#if defined(__AVX512BF16__)
-/* Key-major weights of n keys as bf16 pairs: s->weight_pairs[k * stride + r] = (w[2k][r],
- * w[2k + 1][r]), 0 for the second of an odd last key. */
-static void pack_weight_columns(int num_vecs, int stride, int n, Scratch *s) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int k = 0; 2 * k < n; k++)
-        for (int j = 0; j < num_vecs; j++) {
-            const float *first = s->scores + (size_t)2 * k * stride + 16 * j;
-            __m512 second = 2 * k + 1 < n ? _mm512_loadu_ps(first + stride) : _mm512_setzero_ps();
-            __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, _mm512_loadu_ps(first)); /* first's 16, then second's */
-            _mm512_storeu_si512(s->weight_pairs + (size_t)k * stride + 16 * j, _mm512_permutexvar_epi16(interleave, both));
-        }
-}
-#endif
 
 /* acc^T[e][c] += sum_k w[k][c] * v_k[e] for elements e0 .. e0 + elems (compile time) and the
  * columns of row vectors 0 .. vecs: `w` the key-major weights (or bf16 weight pairs) from the
@@ -867,11 +871,10 @@ static int attend_columns(const Problem *p, const int32_t *table, int key_end, i
             score_columns(p, segments[i].keys + head_offset, row_stride, segments[i].length, num_vecs, stride, s,
                           s->scores + (size_t)segments[i].start * stride);
         mask_future_keys(chunk_pos, n, first_pos, group, num_rows, stride, s);
-        softmax_columns(d, num_vecs, stride, n, s);
+        softmax_columns(d, num_vecs, stride, n, uses_bf16_dot(p), s);
 #if defined(__AVX512BF16__)
         if (p->dtype == DTYPE_BF16) {
             pack_value_pairs(p, segments, num_segments, head_offset, row_stride, s);
-            pack_weight_columns(num_vecs, stride, n, s);
             accumulate_columns(p, (const float *)s->weight_pairs, (const char *)s->converted, 4 * d, 4, (n + 1) / 2,
                                num_vecs, stride, s);
             continue;
