@@ -755,6 +755,9 @@ static inline __m512i weight_pairs16(__m512 w0, __m512 w1) {
  * so a row's running max is finite after its first chunk; padding rows get weights too, and are
  * never stored. */
 static void softmax_columns(int d, int num_vecs, int stride, int n, int as_pairs, Scratch *s) {
+#if !defined(__AVX512BF16__)
+    (void)as_pairs; /* pairs come only from the bf16 dot path */
+#endif
     for (int j = 0; j < num_vecs; j++) {
         float *scores = s->scores + 16 * j;
         __m512 old_max = _mm512_loadu_ps(s->max + 16 * j), max = old_max;
