@@ -291,13 +291,20 @@ MATRIX_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def cpu_model_and_flags() -> tuple[str, list[str]]:
-    """The CPU's model name and which of its matrix-relevant flags it has (from /proc/cpuinfo)."""
+    """The CPU's model name with its family and model numbers (a virtual machine's name, e.g. "AMD
+    EPYC", does not tell one generation from the next), and which of its matrix-relevant flags
+    it has (from /proc/cpuinfo)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor(), []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
-    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    model = (f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, "
+             f"model {fields.get('model', '?')})")
+    flags = set(fields.get("flags", "").split())
     return model, [flag for flag in MATRIX_FLAGS if flag in flags]
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import int_tuple  # noqa: E402
+from bench import int_tuple, machine_info  # noqa: E402
 from bench_models import load_bench_model  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
     rows = roofline_rows(model, tokenizer, sizes, bandwidth, matmul[args.dtype])
     print(f"\nmodel {args.model or 'default'}, {args.dtype} on {args.device}\n\n{markdown_table(rows)}\n")
-    report = {"args": vars(args), "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": matmul, "rows": rows}
+    report = {"machine": machine_info(device), "args": vars(args), "bandwidth_bytes_per_s": bandwidth,
+              "matmul_flops_per_s": matmul, "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1))
     return report
 

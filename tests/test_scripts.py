@@ -98,7 +98,18 @@ def test_roofline_tiny_reports_bounds(tmp_path, one_thread):
     for row in report["rows"]:
         assert row["measured_s"] > 0 and row["bound_s"] == max(row["memory_bound_s"], row["compute_bound_s"])
         assert row["matmul_bound_s"] > 0 and row["measured_over_matmul_bound"] == row["measured_s"] / row["matmul_bound_s"]
-    assert json.loads(out.read_text())["matmul_flops_per_s"].keys() == {"float32", "bfloat16"}
+    saved = json.loads(out.read_text())
+    assert saved["matmul_flops_per_s"].keys() == {"float32", "bfloat16"}
+    assert saved["machine"] == report["machine"] and saved["machine"]["cpu_model"] == bench.cpu_model_and_flags()[0]
+
+
+def test_cpu_model_names_family_and_model_numbers(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+                       "flags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\ncpu family\t: 25\n")
+    real_path = bench.Path
+    monkeypatch.setattr(bench, "Path", lambda name: cpuinfo if name == "/proc/cpuinfo" else real_path(name))
+    assert bench.cpu_model_and_flags() == ("AMD EPYC (family 25, model 17)", ["avx2", "avx512f", "avx512_bf16"])
 
 
 def test_step_products_are_the_fused_steps_own_where_it_runs():
