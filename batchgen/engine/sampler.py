@@ -10,7 +10,8 @@ logits tensor. The steps, in order:
 2. repetition penalty (Hugging Face semantics) over the row's prompt and
    output tokens: a positive logit is divided by the penalty, any other is
    multiplied by it.
-3. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax.
+3. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax (``argmax_rows``: torch's
+   ``argmax``, through a one-pass C scan on CPU).
 4. other rows: divide by temperature, keep the ``top_k`` best tokens, keep
    the smallest set whose probability reaches ``top_p``, drop tokens whose
    probability is below ``min_p`` times the best one, then sample with the
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.constraints import apply_masks
+from batchgen.kernels.sampling_ops import argmax_rows
 from batchgen.sampling_params import SamplingParams
 
 # Smallest exponential draw used, so that log(q) is always finite.
@@ -86,7 +88,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[in
         logits = apply_masks(logits, torch.tensor(sampled_masks.rows, device=logits.device), sampled_masks.bitmask)
     logits = _mask_below_min_tokens(logits, rows, eos_token_ids)
     logits = _apply_repetition_penalty(logits, rows)
-    token_ids = logits.argmax(dim=-1)
+    token_ids = argmax_rows(logits)
     if greedy_masks.rows:
         token_ids = _constrained_argmax(logits, token_ids, greedy_masks)
     sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -123,7 +125,7 @@ def _constrained_argmax(logits: torch.Tensor, token_ids: torch.Tensor, masks: To
     refused_rows = rows.index_select(0, refused.to(rows.device))
     masked = apply_masks(logits.index_select(0, refused_rows),
                          torch.arange(len(refused), device=logits.device), masks.bitmask.index_select(0, refused))
-    return token_ids.index_copy(0, refused_rows, masked.argmax(dim=-1))
+    return token_ids.index_copy(0, refused_rows, argmax_rows(masked))
 
 
 def _mask_below_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int]) -> torch.Tensor:
@@ -181,7 +183,7 @@ def _sample_non_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     min_ps = [row.params.min_p for row in rows]
     if any(p > 0.0 for p in min_ps):
         logits = _apply_min_p(logits, min_ps)
-    return (logits - _exponential_noise(logits, rows).log()).argmax(dim=-1)
+    return argmax_rows(logits - _exponential_noise(logits, rows).log())
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
