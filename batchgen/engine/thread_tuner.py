@@ -9,7 +9,8 @@ took 1.46 s and 0.94 s, 1 thread 2.15 s and 1.32 s. No fixed count is right on b
 engine measures.
 
 Every `TRIAL_PERIOD` steps a trial runs the current count and its neighbours (one fewer, one
-more up to the ceiling) for `TRIAL_STEPS` steps each, interleaved, on steps of about one size
+more up to the ceiling) for `TRIAL_STEPS` steps each, interleaved (`DECISIVE_STEPS` each when by
+then one count's slowest step was faster than every other count's fastest), on steps of about one size
 (a step more than `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the
 trial again: a prefill chunk costs far less per token than a decode step), and keeps the count
 with the least median seconds per scheduled token. While trials keep the count, the period
@@ -41,6 +42,7 @@ import torch
 TRIAL_PERIOD = 64  # steps at the chosen count after a trial that changed it
 MAX_TRIAL_PERIOD = 1024  # the period doubles up to this while trials keep the count
 TRIAL_STEPS = 4  # decode steps per candidate count in a trial
+DECISIVE_STEPS = 2  # ...unless, after this many each, one count's slowest step beat every other's fastest
 FIRST_TRIAL_STEP = 8  # the first steps meet each kernel and shape for the first time: not a fair trial
 TRIAL_MAX_TOKENS = 512  # larger steps are never trial steps
 SIMILAR_TOKENS = 1.3  # steps whose token counts differ by less than this factor compare in a trial
@@ -87,11 +89,22 @@ class ThreadTuner:
             self._steps_to_trial = max(self._steps_to_trial - 1, 0)
             return
         self._seconds_per_token[self._trial.pop(0)].append(seconds / max(num_tokens, 1))
+        if self._trial and self._is_decided():
+            self._trial = []
         if not self._trial:
             chosen = min(self._seconds_per_token, key=lambda count: statistics.median(self._seconds_per_token[count]))
             self._period = min(2 * self._period, MAX_TRIAL_PERIOD) if chosen == self.num_threads else TRIAL_PERIOD
             self.num_threads = chosen
             self._steps_to_trial = self._period
+
+    def _is_decided(self) -> bool:
+        """Every count has run `DECISIVE_STEPS` trial steps, and one count's slowest of them was faster
+        than every other count's fastest (that count also has the least median)."""
+        timings = self._seconds_per_token
+        if any(len(seconds) < DECISIVE_STEPS for seconds in timings.values()):
+            return False
+        return any(all(max(seconds) < min(other) for rival, other in timings.items() if rival != count)
+                   for count, seconds in timings.items())
 
 
 def _similar(num_tokens: int, reference: int) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.thread_tuner import (FIRST_TRIAL_STEP, MAX_TRIAL_PERIOD, TRIAL_MAX_TOKENS, TRIAL_PERIOD,
-                                          ThreadTuner)
+from batchgen.engine.thread_tuner import (DECISIVE_STEPS, FIRST_TRIAL_STEP, MAX_TRIAL_PERIOD, TRIAL_MAX_TOKENS,
+                                          TRIAL_PERIOD, TRIAL_STEPS, ThreadTuner)
 from tests.conftest import torch_threads
 
 
@@ -60,9 +60,25 @@ def test_steps_above_the_trial_size_run_at_the_chosen_count_and_leave_the_trial_
     counts = run_steps(tuner, FIRST_TRIAL_STEP + 200, {3: 0.1, 4: 1.0}, sizes=(big,))
     assert set(counts) == {4} and tuner.num_threads == 4  # never a trial
     counts = run_steps(tuner, 16, {3: 0.1, 4: 1.0}, sizes=(big, 32))
-    assert counts[1::2] == [4, 3] * 4  # the small steps: a trial of 4 and 3 threads, undisturbed by the big ones
-    assert counts[0::2] == [4] * 8  # the big steps: the chosen count
+    assert counts[1::2] == [4, 3, 4, 3] + [3] * 4  # the small steps: a trial of 4 and 3 threads, then 3
+    assert counts[0::2] == [4] * 4 + [3] * 4  # the big steps: the chosen count, unchanged until the trial ends
     assert tuner.num_threads == 3
+
+
+def test_a_decisive_trial_ends_early_and_a_close_one_runs_all_its_steps(four_threads):
+    tuner = ThreadTuner()
+    run_steps(tuner, FIRST_TRIAL_STEP, {4: 1.0})
+    counts = run_steps(tuner, 2 * DECISIVE_STEPS + 2, {3: 1.5, 4: 1.0})
+    assert counts == [4, 3] * DECISIVE_STEPS + [4, 4] and tuner.num_threads == 4  # every 3-thread step slower
+    tuner = ThreadTuner()
+    run_steps(tuner, FIRST_TRIAL_STEP, {4: 1.0})
+    noisy = iter([1.0, 1.2, 1.3, 1.1] + [1.0, 1.5] * TRIAL_STEPS)  # 4, 3, 4, 3 threads, ...: the steps overlap
+    counts = []
+    for _ in range(2 * TRIAL_STEPS + 1):
+        tuner.start_step(32)
+        counts.append(torch.get_num_threads())
+        tuner.end_step(next(noisy) * 32, 32)
+    assert counts == [4, 3] * TRIAL_STEPS + [4] and tuner.num_threads == 4  # the medians decide
 
 
 def test_release_gives_torch_its_count_back(four_threads):
