@@ -581,7 +581,7 @@ static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s
     int group = num_heads / p->num_kv_heads;
     Segment segments[CHUNK_TOKENS];
     Ahead ahead;
-    plan_ahead(p, table, prefix, context_len - prefix < CHUNK_TOKENS ? context_len : prefix + CHUNK_TOKENS, &ahead);
+    plan_first_chunk(p, seq, &ahead);
     fetch_ahead(&ahead, ahead.lines_left);
     for (int pos = prefix; pos < context_len;) {
         int n = 0, num_segments = next_chunk(p, table, &pos, context_len, segments, &n, &ahead);
@@ -1023,6 +1023,14 @@ static int shared_prefix_tiles(const int32_t *groups, int num_groups, int32_t *t
  * attended once for all members (cascade attention: a column tile of up to PREFILL_TILE members,
  * its K and V read once), then each sequence continues from that state over its own tokens;
  * elsewhere the groups change nothing. The result is the same attention. */
+/* The next work item of a shared counter, for the thread that calls. */
+static inline int claim_item(int *next_item) {
+    int item;
+#pragma omp atomic capture
+    item = (*next_item)++;
+    return item;
+}
+
 int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                               const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                               int num_heads, int num_kv_heads, int head_dim, int num_blocks,
@@ -1078,31 +1086,21 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
          * order; a thread claims its next item as it starts one (so that it can ask for that
          * sequence's first K/V early), except among the last items, where a claimed item would
          * wait while another thread had none. */
-        int item, team = omp_get_num_threads();
-#pragma omp atomic capture
-        item = next_item++;
-        while (item < num_items) {
-            int upcoming = -1, unclaimed;
+        int team = omp_get_num_threads();
+        for (int item = claim_item(&next_item), upcoming; item < num_items; item = upcoming) {
+            int unclaimed;
 #pragma omp atomic read
             unclaimed = next_item;
-            if (unclaimed < num_items - team) {
-#pragma omp atomic capture
-                upcoming = next_item++;
-                if (upcoming >= num_items) upcoming = -1;
-            }
+            int is_ahead = unclaimed < num_items - team;
+            upcoming = is_ahead ? claim_item(&next_item) : -1;
             int code = STATUS_OK;
-            if (base && is_vector) code = attend_seq_vector(&p, item, upcoming, &s);
+            if (base && is_vector) code = attend_seq_vector(&p, item, upcoming < num_items ? upcoming : -1, &s);
             else if (base) code = attend_pair(&p, item / num_kv_heads, item % num_kv_heads, &s);
             if (code != STATUS_OK) {
 #pragma omp atomic write
                 status = code;
             }
-            if (upcoming >= 0) {
-                item = upcoming;
-            } else {
-#pragma omp atomic capture
-                item = next_item++;
-            }
+            if (!is_ahead) upcoming = claim_item(&next_item);
         }
         free(base);
     }
