@@ -1,16 +1,19 @@
-"""Linear layers through oneDNN with pre-packed weights: the CPU GEMM of batchgen's steps.
+"""Linear layers with pre-packed weights: the CPU GEMM of batchgen's steps.
 
 torch's default CPU GEMM runs the products of a decode step (tens of rows against each
 weight matrix) well below the machine's matmul rate; oneDNN, with each weight reordered
 once into its blocked layout, runs them faster (2-core AMD EPYC, fp32, 32 rows: 1.17x on a
 layer's seven products, 1.79x on the lm_head; about even at 2048 rows; measured by
-scripts/bench_cpu_linear.py).
+scripts/bench_cpu_linear.py). bf16 weights on a CPU with AVX512-BF16 and no AMX go to
+`bf16_gemm`'s C kernel instead, faster than oneDNN there (1.1-1.7x at 32 rows).
 
 Invariants:
+- `pack_weights` picks the GEMM once per weight: `bf16_gemm` for a bf16 weight with an even
+  number of inputs where that kernel is available, else oneDNN.
 - `PackedLinears.pack(model)` packs every ``nn.Linear`` weight once (a copy: as much memory
   again as those weights; later changes to the weights are not seen) and leaves the model
   untouched.
-- Only inside ``with packed:`` do those modules compute through oneDNN; on exit their own
+- Only inside ``with packed:`` do those modules compute through the packed GEMM; on exit their own
   forward is back, so the model outside a batchgen step computes exactly as before.
 - Results equal torch's GEMM up to the order of float additions (relative error ~1e-6); padding
   rows (zeros, cut from the output) change no real row.
@@ -18,16 +21,28 @@ Invariants:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from batchgen.kernels import bf16_gemm
 
 # Rows are padded to a multiple of ROW_BUCKET: oneDNN keeps state for every input shape it has
 # seen, and a long job meets every row count up to its token budget (measured: glibc in-use
 # memory grew ~14 KB per row of a tiny model's job unpadded, flat padded; 32 is as fast as 16)
 ROW_BUCKET = 32
 
-PackedWeight = tuple[torch.Tensor, torch.Tensor | None]  # a oneDNN-packed weight and its bias
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight packed once for the GEMM that runs it, and its bias."""
+
+    weight: torch.Tensor  # in `bf16_gemm.pack`'s layout where `on_bf16_gemm`, else oneDNN's
+    bias: torch.Tensor | None
+    out_features: int
+    on_bf16_gemm: bool
 
 
 def bucketed(num_rows: int) -> int:
@@ -37,16 +52,20 @@ def bucketed(num_rows: int) -> int:
 
 def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedWeight:
     """The row-wise concatenation of `weights` (and of their biases, all given or all None),
-    packed once for oneDNN: one product computes all of them."""
+    packed once: one product computes all of them."""
     weight = torch.cat([w.detach() for w in weights])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    return torch.ops.mkldnn._reorder_linear_weight(weight), bias
+    out_features, in_features = weight.shape
+    if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and bf16_gemm.is_available():
+        return PackedWeight(bf16_gemm.pack(weight), bias, out_features, on_bf16_gemm=True)
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), bias, out_features, on_bf16_gemm=False)
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``x @ weight.T + bias`` for a 2-D `x` whose rows are `bucketed` already."""
-    weight, bias = packed
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if packed.on_bf16_gemm:
+        return bf16_gemm.linear(x, packed.weight, packed.bias, packed.out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
 
 
 class PackedLinears:
