@@ -5,8 +5,8 @@
 
 Every system first runs a short warm-up, then the whole workload once unprofiled (its wall) and
 once under the profiler. Its time is split into:
-- linear: every linear layer and the lm_head (`aten::linear`, or oneDNN's packed
-  `mkldnn::_linear_pointwise`), inclusive;
+- linear: every linear layer and the lm_head (`aten::linear`, oneDNN's packed
+  `mkldnn::_linear_pointwise`, or the bf16 kernel's `batchgen::bf16_linear` span), inclusive;
 - attention: batchgen's attention span per layer (KV write included), or transformers' SDPA
   calls, inclusive;
 - other: the rest of the profiled wall (norms, RoPE, MLP activation, embedding, sampling,
@@ -35,10 +35,10 @@ from bench_models import lowest_plain_token_id  # noqa: E402
 from bench_systems import SYSTEM_NAMES, synchronize  # noqa: E402
 from bench_workloads import WORKLOAD_NAMES, Workload, build_workload  # noqa: E402
 
-from batchgen.kernels.attention import PROFILER_LABEL  # noqa: E402
+from batchgen.kernels.profiler_spans import ATTENTION_SPAN, BF16_LINEAR_SPAN  # noqa: E402
 
-LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise")
-ATTENTION_OPS = (PROFILER_LABEL, "aten::scaled_dot_product_attention")
+LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", BF16_LINEAR_SPAN)
+ATTENTION_OPS = (ATTENTION_SPAN, "aten::scaled_dot_product_attention")
 TOP_OPS = 12
 
 

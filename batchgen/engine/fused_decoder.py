@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import decoder_ops
-from batchgen.kernels.attention import AttentionStep, profiler_span
+from batchgen.kernels.attention import AttentionStep
 from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear
+from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -116,7 +117,7 @@ class FusedDecoder:
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             k_cache, v_cache = step.k_caches[index], step.v_caches[index]
             qkv = packed_linear(normed, layer.qkv)
-            with profiler_span():
+            with profiler_span(ATTENTION_SPAN):
                 decoder_ops.rope_write_kv(heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
                                           step.metadata.slot_mapping)
                 values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)

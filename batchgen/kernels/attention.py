@@ -27,7 +27,6 @@ bfloat16), else `scaled_dot_product_attention`.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -36,8 +35,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
+
 ATTENTION_NAME = "batchgen"
-PROFILER_LABEL = "batchgen::attention"  # the span of one layer's attention (KV write included) in a torch profile
 MAX_BATCHED_PREFILL_LEN = 64  # prefill chunks of at most this many tokens attend in one padded call
 
 
@@ -208,13 +208,13 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
 
     Outside a batchgen step (e.g. the same model used by `model.generate`) it defers to
     transformers' SDPA attention, so a model handed to batchgen stays usable as before.
-    Inside one, its work shows in a torch profile as one `PROFILER_LABEL` span per layer.
+    Inside one, its work shows in a torch profile as one `ATTENTION_SPAN` span per layer.
     """
     step: AttentionStep | None = kwargs.pop("batchgen_step", None)
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    with profiler_span():
+    with profiler_span(ATTENTION_SPAN):
         layer = module.layer_idx
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1)
@@ -225,14 +225,6 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
         out = torch.empty_like(q)
         step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale, out)
     return out.unsqueeze(0), None
-
-
-def profiler_span():
-    """A `PROFILER_LABEL` span while a torch profiler records; otherwise nothing (a span costs
-    about 9 µs, per layer and step)."""
-    if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(PROFILER_LABEL)
-    return contextlib.nullcontext()
 
 
 def register() -> str:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.c_library import load_library
+from batchgen.kernels.profiler_spans import BF16_LINEAR_SPAN, profiler_span
 
 PANEL_COLUMNS = 48  # output columns per panel of the packed layout (csrc/bf16_gemm.c)
 
@@ -59,7 +60,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, `packed` = ``pack(weight)``."""
     x = x.contiguous()
     out = x.new_empty((x.shape[0], out_features))
-    _library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
-                              None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
-                              torch.get_num_threads())
+    with profiler_span(BF16_LINEAR_SPAN):
+        _library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
+                                  torch.get_num_threads())
     return out
