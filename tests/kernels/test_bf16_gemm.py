@@ -35,16 +35,17 @@ def assert_rounded_once(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 
 def test_pack_places_each_column_pair_in_its_panel():
-    weight = torch.arange(50 * 6, dtype=torch.float32).view(50, 6).bfloat16()
+    columns = bf16_gemm.PANEL_COLUMNS
+    weight = torch.arange((columns + 2) * 6, dtype=torch.float32).view(columns + 2, 6).bfloat16()
     packed = bf16_gemm.pack(weight)
-    assert packed.shape == (2, 3, bf16_gemm.PANEL_COLUMNS, 2)
-    for panel, pair, column, half in [(0, 0, 0, 0), (0, 2, 47, 1), (1, 1, 0, 1), (1, 0, 1, 0)]:
-        assert packed[panel, pair, column, half] == weight[48 * panel + column, 2 * pair + half]
-    assert not packed[1, :, 2:].any()  # columns past 50 are zero
+    assert packed.shape == (2, 3, columns, 2)
+    for panel, pair, column, half in [(0, 0, 0, 0), (0, 2, columns - 1, 1), (1, 1, 0, 1), (1, 0, 1, 0)]:
+        assert packed[panel, pair, column, half] == weight[columns * panel + column, 2 * pair + half]
+    assert not packed[1, :, 2:].any()  # columns past the weight's are zero
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 70])
-@pytest.mark.parametrize("out_features, in_features", [(1, 2), (16, 64), (49, 578), (100, 96), (200, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33, 70])
+@pytest.mark.parametrize("out_features, in_features", [(1, 2), (16, 64), (97, 578), (100, 96), (300, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_is_the_float32_product_rounded_once(rows, out_features, in_features, threads):
     x = random_bf16(rows, in_features, seed=rows)

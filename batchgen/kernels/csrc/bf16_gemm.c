@@ -6,17 +6,20 @@
  *   bg_bf16_linear          out[m, n] = bf16(x[m, k] @ w.T + bias): float32 sums of exact
  *                           bf16 products, rounded to nearest even once, as torch's GEMM does
  *
- * oneDNN runs a decode step's products (tens of rows against each weight) at about half of
- * this CPU's bf16 rate. Here (2-core AMD EPYC, AVX-512 on 256-bit units, 32 rows, weights
- * cold as in a step): 290-360 against 165-295 GFLOP/s per product shape; even at 2,048 rows.
+ * oneDNN runs a decode step's products (tens of rows against each weight) well below this
+ * CPU's bf16 rate. Here (2-core AMD EPYC, AVX-512 on 256-bit units, bf16 dot peak ~460
+ * GFLOP/s; the default model's product shapes, weights cold as in a step): 32 rows 340-415
+ * against oneDNN's 240-305 GFLOP/s, 256 rows 400-415 against 375-410, 2,048 rows 390-415
+ * against 335-425.
  *
- * Weight layout (`bf16_gemm.pack`): panel p holds output columns [48p, 48p + 48), zero past
- * n; within it, for each input pair (2i, 2i + 1), the 48 columns' two bf16 values side by
- * side. A panel is one contiguous stream of k / 2 runs of 3 vectors, the operand layout of
+ * Weight layout (`bf16_gemm.pack`): panel p holds output columns [96p, 96p + 96), zero past
+ * n; within it, for each input pair (2i, 2i + 1), the 96 columns' two bf16 values side by
+ * side. A panel is one contiguous stream of k / 2 runs of 6 vectors, the operand layout of
  * vdpbf16ps, which adds two products per lane.
  *
- * Compute: a tile of 8 rows x 48 columns is 24 float32 accumulators; for each input pair it
- * loads the panel's 3 vectors once and broadcasts each row's pair. Rows past m read row
+ * Compute: a tile of 4 rows x 96 columns is 24 float32 accumulators; for each input pair it
+ * loads the panel's 6 vectors once and broadcasts each row's pair (4 x 96 measured faster
+ * than 8 x 48, 6 x 64 and 12 x 32 tiles at 256 and 2,048 rows, even at 32). Rows past m read row
  * m - 1 (kept in registers, never stored). Each thread owns a contiguous range of panels.
  * With few row tiles (a decode step), a panel is used by few tiles after it comes from
  * memory, so the tiles ask for the thread's next panel as they go, a line or so per input
@@ -29,10 +32,10 @@
 #include <omp.h>
 
 #define BLOCK_COLUMNS 16                  /* one vector of float32 accumulators */
-#define PANEL_BLOCKS 3
+#define PANEL_BLOCKS 6
 #define PANEL_COLUMNS (BLOCK_COLUMNS * PANEL_BLOCKS)
-#define TILE_ROWS 8
-#define MAX_PREFETCH_TILES 8              /* more tiles per panel: its later tiles hit cache */
+#define TILE_ROWS 4
+#define MAX_PREFETCH_TILES 16             /* more tiles per panel: its later tiles hit cache */
 #define LINE_BYTES 64
 
 typedef struct {
