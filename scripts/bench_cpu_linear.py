@@ -1,12 +1,15 @@
-"""Micro-benchmark: one layer's linear products through torch's GEMM vs oneDNN-packed weights (CPU).
+"""Micro-benchmark: one layer's linear products through torch's GEMM, oneDNN-packed weights and,
+in bf16 where it runs, batchgen's bf16 GEMM kernel (CPU).
 
 The weights are SmolLM2-135M's (q, k, v, o, gate, up, down of one layer, plus the 49152-row
 lm_head), each product at several row counts (decode batches and a prefill chunk). Every
 timed call walks all 30 layers' worth of distinct weight copies, so weights come from memory
-as in a real step, not from cache. Prints median ms per layer (lm_head separately) and the
-ratio, and the largest relative difference between the two results.
+as in a real step, not from cache. Prints median ms per layer (lm_head separately) for each
+GEMM, the packed ones' speedups over torch's, and the largest relative difference between a
+packed result and torch's.
 
     python scripts/bench_cpu_linear.py [--repeats 10] [--rows 1,8,32,128,2048] [--layers 30]
+    python scripts/bench_cpu_linear.py --dtype bfloat16      # adds bf16_gemm's column where it runs
 """
 
 from __future__ import annotations
@@ -17,33 +20,43 @@ import torch
 import torch.nn.functional as F
 from bench_cpu_attention import median_ms
 
-from batchgen.kernels.cpu_linear import PackedLinears
+from batchgen.kernels import bf16_gemm
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, NUM_LAYERS = 576, 1536, 192, 49152, 30
 LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),
                 (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
 
-def make_layers(shapes: list[tuple[int, int]], copies: int) -> torch.nn.ModuleList:
-    linears = [torch.nn.Linear(cols, rows, bias=False) for _ in range(copies) for rows, cols in shapes]
-    return torch.nn.ModuleList(linears).requires_grad_(False)
+def make_weights(shapes: list[tuple[int, int]], copies: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.randn(rows, cols).div_(cols**0.5).to(dtype) for _ in range(copies) for rows, cols in shapes]
 
 
-def run_all(linears: torch.nn.ModuleList, inputs: dict[int, torch.Tensor]) -> None:
-    for linear in linears:
-        linear(inputs[linear.in_features])
+def gemms(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list]:
+    """GEMM name -> one function of the input per weight: torch's first, then the packed ones."""
+    found = {"torch": [lambda x, w=w: F.linear(x, w) for w in weights],
+             "oneDNN": [lambda x, p=torch.ops.mkldnn._reorder_linear_weight(w): torch.ops.mkldnn._linear_pointwise(
+                 x, p, None, "none", [], "") for w in weights]}
+    if dtype == torch.bfloat16 and bf16_gemm.is_available():
+        found["bf16_gemm"] = [lambda x, w=w, p=bf16_gemm.pack(w): bf16_gemm.linear(x, p, None, w.shape[0])
+                                for w in weights]
+    return found
 
 
-def compare(name: str, linears: torch.nn.ModuleList, packed: PackedLinears, num_rows: int, repeats: int,
-            per: int) -> None:
-    inputs = {size: torch.randn(num_rows, size) for size in (HIDDEN, INTERMEDIATE)}
-    torch_ms = median_ms(run_all, (linears, inputs), repeats) / per
-    with packed:
-        packed_ms = median_ms(run_all, (linears, inputs), repeats) / per
-        first = linears[0](inputs[linears[0].in_features])
-    expected = F.linear(inputs[linears[0].in_features], linears[0].weight)
-    diff = ((first - expected).abs().max() / expected.abs().max()).item()
-    print(f"{name:<10}{num_rows:>6}{torch_ms:>12.3f}{packed_ms:>12.3f}{torch_ms / packed_ms:>9.2f}x{diff:>12.1e}")
+def run_all(products: list, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
+    for product, weight in zip(products, weights):
+        product(inputs[weight.shape[1]])
+
+
+def compare(name: str, weights: list[torch.Tensor], products: dict, num_rows: int, repeats: int, per: int,
+            dtype: torch.dtype) -> None:
+    inputs = {size: torch.randn(num_rows, size).to(dtype) for size in (HIDDEN, INTERMEDIATE)}
+    times = {gemm: median_ms(run_all, (calls, weights, inputs), repeats) / per for gemm, calls in products.items()}
+    x = inputs[weights[0].shape[1]]
+    expected = F.linear(x, weights[0]).float()
+    diff = max(((calls[0](x).float() - expected).abs().max() / expected.abs().max()).item()
+               for gemm, calls in products.items() if gemm != "torch")
+    speedups = "".join(f"{times['torch'] / ms:>11.2f}x" for gemm, ms in times.items() if gemm != "torch")
+    print(f"{name:<10}{num_rows:>6}" + "".join(f"{ms:>14.3f}" for ms in times.values()) + f"{speedups}{diff:>12.1e}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,17 +64,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rows", default="1,8,32,128,2048")
     parser.add_argument("--layers", type=int, default=NUM_LAYERS, help="distinct weight copies walked per call")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     options = parser.parse_args(argv)
-    body, lm_head = make_layers(LAYER_SHAPES, options.layers), make_layers([(VOCAB, HIDDEN)], 1)
-    packed_body, packed_lm_head = PackedLinears.pack(body), PackedLinears.pack(lm_head)
-    if packed_body is None or packed_lm_head is None:
-        raise SystemExit("oneDNN cannot pack float32 linear weights on this machine")
-    print(f"threads={torch.get_num_threads()} float32; ms per layer (7 products) and per lm_head")
-    print(f"{'weights':<10}{'rows':>6}{'torch ms':>12}{'packed ms':>12}{'speedup':>10}{'rel diff':>12}")
+    dtype = getattr(torch, options.dtype)
+    body, lm_head = make_weights(LAYER_SHAPES, options.layers, dtype), make_weights([(VOCAB, HIDDEN)], 1, dtype)
+    try:
+        body_gemms, lm_head_gemms = gemms(body, dtype), gemms(lm_head, dtype)
+    except RuntimeError as error:
+        raise SystemExit(f"oneDNN cannot pack {options.dtype} linear weights on this machine: {error}") from None
+    names = list(body_gemms)
+    print(f"threads={torch.get_num_threads()} {options.dtype}; ms per layer (7 products) and per lm_head")
+    print(f"{'weights':<10}{'rows':>6}" + "".join(f"{n + ' ms':>14}" for n in names)
+          + "".join(f"{'x ' + n:>12}" for n in names[1:]) + f"{'rel diff':>12}")
     with torch.inference_mode():
         for num_rows in (int(r) for r in options.rows.split(",")):
-            compare("layer", body, packed_body, num_rows, options.repeats, options.layers)
-            compare("lm_head", lm_head, packed_lm_head, num_rows, options.repeats, 1)
+            compare("layer", body, body_gemms, num_rows, options.repeats, options.layers, dtype)
+            compare("lm_head", lm_head, lm_head_gemms, num_rows, options.repeats, 1, dtype)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import profile_workload  # noqa: E402
 import roofline  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
 
+from batchgen.kernels import bf16_gemm  # noqa: E402
 from tests.conftest import torch_threads  # noqa: E402
 
 
@@ -149,6 +150,14 @@ def test_cpu_linear_bench_prints_both_paths(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in lines[-2:]] == [["layer", "3"], ["lm_head", "3"]]
     assert all(float(line.split()[-1]) < 1e-4 for line in lines[-2:])  # relative difference of the results
+
+
+def test_cpu_linear_bench_in_bf16_adds_the_kernel_where_it_runs(capsys):
+    bench_cpu_linear.main(["--repeats", "1", "--rows", "3", "--layers", "1", "--dtype", "bfloat16"])
+    lines = capsys.readouterr().out.splitlines()
+    assert ("bf16_gemm ms" in lines[1]) == bf16_gemm.is_available()
+    assert [line.split()[:2] for line in lines[-2:]] == [["layer", "3"], ["lm_head", "3"]]
+    assert all(float(line.split()[-1]) < 1e-2 for line in lines[-2:])  # bf16 rounding, not a wrong product
 
 
 def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
