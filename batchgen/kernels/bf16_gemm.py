@@ -1,9 +1,10 @@
 """bfloat16 linear layers through ``csrc/bf16_gemm.c``: the CPU GEMM where it beats oneDNN.
 
 On a CPU with AVX512-BF16 and no AMX (AMD EPYC Zen 4 and later), oneDNN runs a decode step's
-products at about half of the CPU's bf16 rate; the C kernel runs them 1.2-1.5x faster at 32
-rows and about as fast as oneDNN at 2,048 (see the source's header). `is_available` says whether this machine's build holds it; where it
-does not (no AVX512-BF16, or AMX, where oneDNN is faster), callers use oneDNN.
+products well below the CPU's bf16 rate; the C kernel runs them 1.2-1.5x faster at 32 rows and
+about as fast as oneDNN at 2,048 (see the source's header). `is_available` says whether this
+machine's build holds it; where it does not (no AVX512-BF16, or AMX, where oneDNN is faster),
+callers use oneDNN.
 
 Invariants:
 - `pack` copies a [n, k] weight (k even) into the kernel's panel layout once.

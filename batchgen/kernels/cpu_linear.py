@@ -5,7 +5,7 @@ weight matrix) well below the machine's matmul rate; oneDNN, with each weight re
 once into its blocked layout, runs them faster (2-core AMD EPYC, fp32, 32 rows: 1.17x on a
 layer's seven products, 1.79x on the lm_head; about even at 2048 rows; measured by
 scripts/bench_cpu_linear.py). bf16 weights on a CPU with AVX512-BF16 and no AMX go to
-`bf16_gemm`'s C kernel instead, faster than oneDNN there (1.1-1.7x at 32 rows).
+`bf16_gemm`'s C kernel instead, faster than oneDNN there (1.2-1.5x at 32 rows).
 
 Invariants:
 - `pack_weights` picks the GEMM once per weight: `bf16_gemm` for a bf16 weight with an even

@@ -56,7 +56,7 @@ static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, 
     _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
 }
 
-/* Rows [0, rows) of x (row stride k) times one panel, into out's columns [col, col + 48). */
+/* Rows [0, rows) of x (row stride k) times one panel, into out's columns [col, col + PANEL_COLUMNS). */
 static void tile(const uint16_t *x, int64_t k, int rows, const uint16_t *panel, Prefetch ahead,
                  const uint16_t *bias, uint16_t *out, int64_t col, int64_t n) {
     __m512 acc[TILE_ROWS][PANEL_BLOCKS];
