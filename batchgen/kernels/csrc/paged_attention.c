@@ -89,6 +89,8 @@ typedef struct {
     uint32_t *weight_pairs; /* [queries, CHUNK_TOKENS / 2] bf16 pairs of weights (AVX-512 bf16 path) */
     float *max;     /* [queries] running max */
     float *sum;     /* [queries] running sum of exp */
+    float *correction; /* [queries] column code: the factor of acc from the chunk's new max, applied as the
+                          chunk's values are added (no separate pass over acc) */
     int64_t slots[CHUNK_TOKENS];
     const float *rows[CHUNK_TOKENS]; /* float32 K or V rows of the chunk */
 } Scratch;
@@ -763,12 +765,12 @@ static inline __m512i weight_pairs16(__m512 w0, __m512 w1) {
 #endif
 
 /* update_softmax over key-major scores (log2 units) of n keys, for row vectors 0 .. num_vecs:
- * per vector of 16 rows, the new running max, the rescale of the sum and accumulator, and the
- * weights 2^(score - max): as bf16 pairs into s->weight_pairs (key pair k at k * stride, 0 for
+ * per vector of 16 rows, the new running max, the rescale of the sum, the accumulator's factor
+ * (into s->correction, for accumulate_columns to apply as it adds the chunk), and the weights 2^(score - max): as bf16 pairs into s->weight_pairs (key pair k at k * stride, 0 for
  * the second of an odd last key) when `as_pairs`, else over the scores. Key 0 is never masked,
  * so a row's running max is finite after its first chunk; padding rows get weights too, and are
  * never stored. */
-static void softmax_columns(int d, int num_vecs, int stride, int n, int as_pairs, Scratch *s) {
+static void softmax_columns(int num_vecs, int stride, int n, int as_pairs, Scratch *s) {
 #if !defined(__AVX512BF16__)
     (void)as_pairs; /* pairs come only from the bf16 dot path */
 #endif
@@ -794,25 +796,27 @@ static void softmax_columns(int d, int num_vecs, int stride, int n, int as_pairs
         }
         _mm512_storeu_ps(s->max + 16 * j, max);
         _mm512_storeu_ps(s->sum + 16 * j, sum);
-        for (int i = 0; i < d; i++) {
-            float *acc = s->acc + (size_t)i * stride + 16 * j;
-            _mm512_storeu_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(acc), correction));
-        }
+        _mm512_storeu_ps(s->correction + 16 * j, correction);
     }
 }
 
-/* acc^T[e][c] += sum_k w[k][c] * v_k[e] for elements e0 .. e0 + elems (compile time) and the
- * columns of row vectors 0 .. vecs: `w` the key-major weights (or bf16 weight pairs) from the
- * first row vector, `v` the first V row (or V key pair) at element e0, rows `v_stride` bytes
- * apart; each V element (or pair) broadcast once for every row vector, each weight vector loaded
- * once for every element. */
+/* acc^T[e][c] = acc^T[e][c] * correction[c] (when given) + sum_k w[k][c] * v_k[e], for elements
+ * e0 .. e0 + elems (compile time) and the columns of row vectors 0 .. vecs: `w` the key-major
+ * weights (or bf16 weight pairs) from the first row vector, `correction` from its first row,
+ * `v` the first V row (or V key pair) at element e0, rows `v_stride` bytes apart; each V element
+ * (or pair) broadcast once for every row vector, each weight vector loaded once for every
+ * element. */
 static inline __attribute__((always_inline)) void accumulate_columns_tile(const Problem *p, const float *w,
                                                                           const char *v, int64_t v_stride,
                                                                           int num_keys, int stride, float *acc,
-                                                                          const int elems, const int vecs) {
+                                                                          const float *correction, const int elems,
+                                                                          const int vecs) {
     __m512 sums[4][3];
     for (int x = 0; x < elems; x++)
-        for (int j = 0; j < vecs; j++) sums[x][j] = _mm512_loadu_ps(acc + (size_t)x * stride + 16 * j);
+        for (int j = 0; j < vecs; j++) {
+            sums[x][j] = _mm512_loadu_ps(acc + (size_t)x * stride + 16 * j);
+            if (correction) sums[x][j] = _mm512_mul_ps(sums[x][j], _mm512_loadu_ps(correction + 16 * j));
+        }
 #if defined(__AVX512BF16__)
     if (p->dtype == DTYPE_BF16) {
         for (int k = 0; k < num_keys; k++) {
@@ -842,17 +846,21 @@ static inline __attribute__((always_inline)) void accumulate_columns_tile(const 
 }
 
 #define ACCUMULATE_COLUMNS_CASE(vecs) \
-    case vecs: accumulate_columns_tile(p, w, v + e0 * element_bytes, v_stride, num_keys, stride, acc, 4, vecs); break;
+    case vecs: \
+        accumulate_columns_tile(p, w, v + e0 * element_bytes, v_stride, num_keys, stride, acc, factors, 4, vecs); \
+        break;
 
-/* acc^T += the weights' products with num_keys V rows (or pairs) from `v` (element 0), for row
- * vectors 0 .. num_vecs: 4 elements x 3 row vectors at a time. `element_bytes` is the size of
- * one V element (or pair) in `v`. */
+/* acc^T = acc^T * correction (per row, when given) + the weights' products with num_keys V rows
+ * (or pairs) from `v` (element 0), for row vectors 0 .. num_vecs: 4 elements x 3 row vectors at
+ * a time. `element_bytes` is the size of one V element (or pair) in `v`. */
 static void accumulate_columns(const Problem *p, const float *weights, const char *v, int64_t v_stride,
-                               int element_bytes, int num_keys, int num_vecs, int stride, Scratch *s) {
+                               int element_bytes, int num_keys, int num_vecs, int stride, const float *correction,
+                               Scratch *s) {
     for (int e0 = 0; e0 < p->head_dim; e0 += 4)
         for (int vec0 = 0; vec0 < num_vecs; vec0 += 3) {
             const float *w = weights + 16 * vec0;
             float *acc = s->acc + (size_t)e0 * stride + 16 * vec0;
+            const float *factors = correction ? correction + 16 * vec0 : NULL;
             switch (num_vecs - vec0 < 3 ? num_vecs - vec0 : 3) {
                 ACCUMULATE_COLUMNS_CASE(1) ACCUMULATE_COLUMNS_CASE(2) ACCUMULATE_COLUMNS_CASE(3)
             }
@@ -888,18 +896,19 @@ static int attend_columns(const Problem *p, const int32_t *table, int key_end, i
             score_columns(p, segments[i].keys + head_offset, row_stride, segments[i].length, num_vecs, stride, s,
                           s->scores + (size_t)segments[i].start * stride);
         mask_future_keys(chunk_pos, n, first_pos, group, num_rows, stride, s);
-        softmax_columns(d, num_vecs, stride, n, uses_bf16_dot(p), s);
+        softmax_columns(num_vecs, stride, n, uses_bf16_dot(p), s);
 #if defined(__AVX512BF16__)
         if (p->dtype == DTYPE_BF16) {
             pack_value_pairs(p, segments, num_segments, head_offset, row_stride, s);
             accumulate_columns(p, (const float *)s->weight_pairs, (const char *)s->converted, 4 * d, 4, (n + 1) / 2,
-                               num_vecs, stride, s);
+                               num_vecs, stride, s->correction, s);
             continue;
         }
 #endif
         for (int i = 0; i < num_segments; i++)
             accumulate_columns(p, s->scores + (size_t)segments[i].start * stride, segments[i].values + head_offset,
-                               row_stride, element_bytes, segments[i].length, num_vecs, stride, s);
+                               row_stride, element_bytes, segments[i].length, num_vecs, stride,
+                               i == 0 ? s->correction : NULL, s);
     }
     return STATUS_OK;
 }
@@ -965,7 +974,7 @@ static int attend_shared_prefix(const Problem *p, int first, int num_members, in
 #endif
 
 static float *alloc_scratch(Scratch *s, int num_queries, int d) {
-    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 2 + CHUNK_TOKENS / 2) + (size_t)(CHUNK_TOKENS + 1) * d;
+    size_t floats = (size_t)num_queries * (2 * d + CHUNK_TOKENS + 3 + CHUNK_TOKENS / 2) + (size_t)(CHUNK_TOKENS + 1) * d;
     float *base = (float *)malloc(sizeof(float) * floats);
     if (base == NULL) return NULL;
     s->q = base;
@@ -973,7 +982,8 @@ static float *alloc_scratch(Scratch *s, int num_queries, int d) {
     s->scores = s->acc + (size_t)num_queries * d;
     s->max = s->scores + (size_t)num_queries * CHUNK_TOKENS;
     s->sum = s->max + num_queries;
-    s->row = s->sum + num_queries;
+    s->correction = s->sum + num_queries;
+    s->row = s->correction + num_queries;
     s->converted = s->row + d;
     s->weight_pairs = (uint32_t *)(s->converted + (size_t)CHUNK_TOKENS * d);
     return base;
