@@ -198,7 +198,7 @@ def step_products(runner, num_tokens: int, num_logits: int) -> list[tuple]:
         return ([(m, torch.randn(num_tokens, m.in_features, device=device, dtype=dtype)) for m in linears]
                 + [(head, torch.randn(num_logits, head.in_features, device=device, dtype=dtype))])
     config = model.config.get_text_config()
-    rows, logit_rows = bucketed(num_tokens), bucketed(num_logits)
+    rows, logit_rows = bucketed(num_tokens, fused.row_bucket), bucketed(num_logits, fused.row_bucket)
     widths = (config.hidden_size, fused.num_heads * fused.head_dim, config.hidden_size, config.intermediate_size)
     inputs = {width: torch.randn(rows, width, dtype=dtype) for width in set(widths)}
     products = [(functools.partial(packed_linear, packed=packed), inputs[width]) for layer in fused.layers

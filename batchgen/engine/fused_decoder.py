@@ -15,8 +15,9 @@ Invariants:
   `qwen2` model in float32 or bfloat16 with a SiLU MLP and the C ops build here; the engine
   then runs transformers' forward. It copies the weights it packs (the model is untouched;
   later changes to its weights are not seen).
-- Rows are padded to `cpu_linear.bucketed` rows for every product (oneDNN keeps state per
-  input shape); padding rows never reach the pool or a kept logit.
+- Rows are padded to `cpu_linear.bucketed` rows for every product (a multiple of 32 where a
+  weight runs on oneDNN, which keeps state per input shape; none on the bf16 kernel); padding
+  rows never reach the pool or a kept logit.
 - In float32 every op rounds as transformers' does except the order of the RMSNorm sum and of
   the GEMMs' additions, so greedy outputs equal `model.generate`'s (tested); in bfloat16 the
   same intermediates are rounded to bfloat16 where transformers rounds them.
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels import decoder_ops
 from batchgen.kernels.attention import AttentionStep
-from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear
+from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -90,6 +91,8 @@ class FusedDecoder:
         self.head_dim = attention.head_dim
         self.intermediate_size = model.config.intermediate_size
         self.scale = attention.scaling
+        self.row_bucket = row_bucket([self.lm_head] + [weight for layer in self.layers
+                                                        for weight in (layer.qkv, layer.o, layer.gate_up, layer.down)])
 
     @classmethod
     def build(cls, model) -> FusedDecoder | None:
@@ -103,7 +106,7 @@ class FusedDecoder:
                 logit_indices: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of the rows `logit_indices` of a step of `len(input_ids)` tokens."""
         num_tokens = len(input_ids)
-        num_rows = bucketed(num_tokens)
+        num_rows = bucketed(num_tokens, self.row_bucket)
         residual = self.embed_tokens(F.pad(input_ids, (0, num_rows - num_tokens)))
         cos, sin = self.rotary_emb(residual[None], positions[None])
         normed = torch.empty_like(residual)
@@ -128,5 +131,5 @@ class FusedDecoder:
             decoder_ops.silu_mul(activated, packed_linear(normed, layer.gate_up))
             decoder_ops.add_rms_norm(normed, residual, packed_linear(activated, layer.down), next_norm, self.eps)
         kept = normed[logit_indices]
-        kept = F.pad(kept, (0, 0, 0, bucketed(len(kept)) - len(kept)))
+        kept = F.pad(kept, (0, 0, 0, bucketed(len(kept), self.row_bucket) - len(kept)))
         return packed_linear(kept, self.lm_head)[: len(logit_indices)].float()

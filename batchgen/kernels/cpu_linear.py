@@ -29,9 +29,10 @@ from torch import nn
 
 from batchgen.kernels import bf16_gemm
 
-# Rows are padded to a multiple of ROW_BUCKET: oneDNN keeps state for every input shape it has
-# seen, and a long job meets every row count up to its token budget (measured: glibc in-use
-# memory grew ~14 KB per row of a tiny model's job unpadded, flat padded; 32 is as fast as 16)
+# Rows of a oneDNN product are padded to a multiple of ROW_BUCKET: oneDNN keeps state for every
+# input shape it has seen, and a long job meets every row count up to its token budget
+# (measured: glibc in-use memory grew ~14 KB per row of a tiny model's job unpadded, flat padded;
+# 32 is as fast as 16). The bf16 kernel keeps no state and computes only the rows it is given.
 ROW_BUCKET = 32
 
 
@@ -45,9 +46,15 @@ class PackedWeight:
     on_bf16_gemm: bool
 
 
-def bucketed(num_rows: int) -> int:
-    """`num_rows` rounded up to a multiple of ROW_BUCKET."""
-    return -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+def row_bucket(weights: list[PackedWeight]) -> int:
+    """The row multiple of products with `weights`: ROW_BUCKET where any of them runs on oneDNN,
+    else 1 (the bf16 kernel takes any number of rows)."""
+    return 1 if all(weight.on_bf16_gemm for weight in weights) else ROW_BUCKET
+
+
+def bucketed(num_rows: int, bucket: int) -> int:
+    """`num_rows` rounded up to a multiple of `bucket` (a `row_bucket`)."""
+    return -(-num_rows // bucket) * bucket
 
 
 def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedWeight:
@@ -62,7 +69,7 @@ def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a 2-D `x` whose rows are `bucketed` already."""
+    """``x @ weight.T + bias`` for a 2-D `x` whose rows are `bucketed` for `packed` already."""
     if packed.on_bf16_gemm:
         return bf16_gemm.linear(x, packed.weight, packed.bias, packed.out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
@@ -100,11 +107,13 @@ class PackedLinears:
 
 
 def _packed_forward(packed: PackedWeight):
+    bucket = row_bucket([packed])
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         num_rows = rows.shape[0]
-        if bucketed(num_rows) != num_rows:
-            rows = F.pad(rows, (0, 0, 0, bucketed(num_rows) - num_rows))
+        if bucketed(num_rows, bucket) != num_rows:
+            rows = F.pad(rows, (0, 0, 0, bucketed(num_rows, bucket) - num_rows))
         out = packed_linear(rows, packed)
         return out[:num_rows].reshape(*x.shape[:-1], out.shape[-1])
     return forward
