@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.radix_tree import RadixTree
@@ -90,6 +91,17 @@ def test_small_pool_preempts_and_evicts_with_same_outputs(family):
     assert [o.token_ids for o in outputs] == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_evictions > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_longer_than_a_step_run_through_steps_that_keep_no_logits(dtype):
+    model = tiny_model(hidden_size=128).to(dtype)
+    prompts = [list(range(2, 2 + 150)), list(range(40, 40 + 90))]
+    llm = LLM(model, tokenizer=tiny_tokenizer(), max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, greedy(4), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    if dtype == torch.float32:
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 4) for p in prompts]
 
 
 @pytest.mark.parametrize("budget", [2048, 48])

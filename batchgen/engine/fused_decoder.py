@@ -18,6 +18,9 @@ Invariants:
 - Rows are padded to `cpu_linear.bucketed` rows for every product (a multiple of 32 where a
   weight runs on oneDNN, which keeps state per input shape; none on the bf16 kernel); padding
   rows never reach the pool or a kept logit.
+- The last layer writes every row's K/V but runs attention, o and the MLP only on `OutputTail`
+  rows: each sequence's rows from its first kept logit on; a row's logits do not depend on the
+  rows skipped (a 2,048-token prompt skips 2,047 rows of that work).
 - In float32 every op rounds as transformers' does except the order of the RMSNorm sum and of
   the GEMMs' additions, so greedy outputs equal `model.generate`'s (tested); in bfloat16 the
   same intermediates are rounded to bfloat16 where transformers rounds them.
@@ -25,13 +28,15 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import decoder_ops
-from batchgen.kernels.attention import AttentionStep
+from batchgen.kernels.attention import AttentionMetadata, AttentionStep
 from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
@@ -106,30 +111,86 @@ class FusedDecoder:
                 logit_indices: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of the rows `logit_indices` of a step of `len(input_ids)` tokens."""
         num_tokens = len(input_ids)
-        num_rows = bucketed(num_tokens, self.row_bucket)
-        residual = self.embed_tokens(F.pad(input_ids, (0, num_rows - num_tokens)))
-        cos, sin = self.rotary_emb(residual[None], positions[None])
-        normed = torch.empty_like(residual)
-        decoder_ops.add_rms_norm(normed, residual, None, self.layers[0].input_norm, self.eps)
-        heads = residual.new_zeros((num_rows, self.num_heads, self.head_dim))
-        attended = torch.zeros_like(heads)
-        keys = residual.new_empty((num_tokens, self.num_kv_heads, self.head_dim))
-        activated = residual.new_empty((num_rows, self.intermediate_size))
+        rows = StepRows.allocate(self.embed_tokens(F.pad(input_ids, (0, bucketed(num_tokens, self.row_bucket)
+                                                                     - num_tokens))), num_tokens, self)
+        cos, sin = self.rotary_emb(rows.residual[None], positions[None])
+        decoder_ops.add_rms_norm(rows.normed, rows.residual, None, self.layers[0].input_norm, self.eps)
+        keys = rows.residual.new_empty((num_tokens, self.num_kv_heads, self.head_dim))
         value_start = (self.num_heads + self.num_kv_heads) * self.head_dim
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        metadata, tail = step.metadata, output_tail(step.metadata, logit_indices.tolist())
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             k_cache, v_cache = step.k_caches[index], step.v_caches[index]
-            qkv = packed_linear(normed, layer.qkv)
+            qkv = packed_linear(rows.normed, layer.qkv)
             with profiler_span(ATTENTION_SPAN):
-                decoder_ops.rope_write_kv(heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
-                                          step.metadata.slot_mapping)
+                decoder_ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
+                                          metadata.slot_mapping)
                 values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
-                step.backend.forward(heads[:num_tokens], keys, values, k_cache, v_cache, step.metadata, self.scale,
-                                     attended[:num_tokens])
-            decoder_ops.add_rms_norm(normed, residual, packed_linear(attended.view(num_rows, -1), layer.o),
+                if index == len(self.layers) - 1 and tail is not None:
+                    metadata, logit_indices = tail.metadata, tail.logit_indices
+                    rows, keys, values = rows.select(tail.rows, self), keys[tail.rows], values[tail.rows]
+                step.backend.forward(rows.heads[:rows.num_tokens], keys, values, k_cache, v_cache, metadata,
+                                     self.scale, rows.attended[:rows.num_tokens])
+            decoder_ops.add_rms_norm(rows.normed, rows.residual,
+                                     packed_linear(rows.attended.flatten(1), layer.o),
                                      layer.post_norm, self.eps)
-            decoder_ops.silu_mul(activated, packed_linear(normed, layer.gate_up))
-            decoder_ops.add_rms_norm(normed, residual, packed_linear(activated, layer.down), next_norm, self.eps)
-        kept = normed[logit_indices]
+            decoder_ops.silu_mul(rows.activated, packed_linear(rows.normed, layer.gate_up))
+            decoder_ops.add_rms_norm(rows.normed, rows.residual, packed_linear(rows.activated, layer.down), next_norm,
+                                     self.eps)
+        kept = rows.normed[logit_indices]
         kept = F.pad(kept, (0, 0, 0, bucketed(len(kept), self.row_bucket) - len(kept)))
         return packed_linear(kept, self.lm_head)[: len(logit_indices)].float()
+
+
+@dataclass
+class StepRows:
+    """One layer's activations of `num_tokens` packed rows, each buffer padded to
+    `len(residual)` rows (a `bucketed` count); padding rows of `heads` and `attended` are 0."""
+
+    residual: torch.Tensor
+    normed: torch.Tensor
+    heads: torch.Tensor
+    attended: torch.Tensor
+    activated: torch.Tensor
+    num_tokens: int
+
+    @classmethod
+    def allocate(cls, residual: torch.Tensor, num_tokens: int, decoder: FusedDecoder) -> StepRows:
+        heads = residual.new_zeros((len(residual), decoder.num_heads, decoder.head_dim))
+        return cls(residual, torch.empty_like(residual), heads, torch.zeros_like(heads),
+                   residual.new_empty((len(residual), decoder.intermediate_size)), num_tokens)
+
+    def select(self, indices: torch.Tensor, decoder: FusedDecoder) -> StepRows:
+        """The rows `indices` of this layer's residual and rotated queries, in new buffers."""
+        padding = bucketed(len(indices), decoder.row_bucket) - len(indices)
+        selected = StepRows.allocate(F.pad(self.residual[indices], (0, 0, 0, padding)), len(indices), decoder)
+        selected.heads[: len(indices)] = self.heads[indices]
+        return selected
+
+
+class OutputTail(NamedTuple):
+    """The rows a step's last layer runs after its K/V are written: each sequence's rows from its
+    first kept logit row on (none for a prefill chunk that keeps no logits)."""
+
+    metadata: AttentionMetadata  # their attention layout
+    rows: torch.Tensor  # their packed indices
+    logit_indices: torch.Tensor  # the kept logit rows, numbered among them
+
+
+def output_tail(metadata: AttentionMetadata, logit_indices: list[int]) -> OutputTail | None:
+    """The step's `OutputTail`, or None when it skips no row or would drop a decode row (cascade
+    groups number the decode rows)."""
+    ends = metadata.query_start_loc[1:]
+    if len(logit_indices) == ends[-1]:  # a decode step: every row is kept
+        return None
+    first_kept = list(ends)
+    for row in logit_indices:
+        seq = bisect.bisect_right(ends, row)
+        first_kept[seq] = min(first_kept[seq], row)
+    num_kept = [end - first for end, first in zip(ends, first_kept)]
+    if sum(num_kept) == ends[-1] or 0 in num_kept[: metadata.num_decode_seqs]:
+        return None
+    tail_metadata, rows = metadata.suffixes(num_kept)
+    position = {row: index for index, row in enumerate(rows.tolist())}
+    renumbered = torch.tensor([position[row] for row in logit_indices], dtype=torch.long, device=rows.device)
+    return OutputTail(tail_metadata, rows, renumbered)

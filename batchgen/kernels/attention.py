@@ -83,6 +83,34 @@ class AttentionMetadata:
         mask = (positions[None, None] <= query_pos[:, :, None]) & (positions[None, None] < context_lens[:, None, None])
         return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device))
 
+    def suffixes(self, num_kept: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The layout of only the last `num_kept[s]` query rows of each sequence s (0 drops it),
+        and those rows' packed indices (int64, on the device); each kept row still attends to
+        every cached position up to its own. Every decode sequence must keep its row, so
+        `decode_groups` holds as it is."""
+        seqs = [s for s, kept in enumerate(num_kept) if kept > 0]
+        assert all(num_kept[s] == 1 for s in range(self.num_decode_seqs)), "a decode row is dropped"
+        ends = self.query_start_loc[1:]
+        rows = [row for s in seqs for row in range(ends[s] - num_kept[s], ends[s])]
+        starts = [0]
+        for s in seqs:
+            starts.append(starts[-1] + num_kept[s])
+        device = self.block_tables.device
+        rows_tensor = torch.tensor(rows, dtype=torch.long, device=device)
+        seqs_tensor = torch.tensor(seqs, dtype=torch.long, device=device)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows_tensor],
+            query_start_loc=starts,
+            query_lens=[num_kept[s] for s in seqs],
+            context_lens_list=[self.context_lens_list[s] for s in seqs],
+            context_lens=self.context_lens[seqs_tensor],
+            block_tables=self.block_tables[seqs_tensor],
+            block_tables_list=[self.block_tables_list[s] for s in seqs],
+            num_decode_seqs=self.num_decode_seqs,
+            block_size=self.block_size,
+            decode_groups=self.decode_groups,
+        ), rows_tensor
+
 
 @dataclass
 class PrefillBatch:

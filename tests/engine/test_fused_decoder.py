@@ -43,6 +43,38 @@ def step_logits(model, fused: bool) -> torch.Tensor:
     return torch.cat([prefill, decode])
 
 
+def chunked_step_logits(model, fused: bool) -> torch.Tensor:
+    """Logits of a first prefill step (two chunks keep no logits), then of a mixed step: a decode
+    row, a prompt's middle chunk (no logits: its last layer computes only K/V), a prompt scored
+    from position 20 (logits of its chunk's last 11 rows, and its last row's), and a prompt's
+    last chunk (its last row's logits)."""
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, fused_step=fused))
+    prompts = [[(5 * index + 11 * i) % 500 + 2 for i in range(length)] for index, length in enumerate([9, 60, 30, 50])]
+    seqs = [Sequence(0, prompts[0], SamplingParams(), 0.0), Sequence(1, prompts[1], SamplingParams(), 0.0),
+            Sequence(2, prompts[2], SamplingParams(), 0.0, logprob_start=20, scored_token_ids=prompts[2] + [7]),
+            Sequence(3, prompts[3], SamplingParams(), 0.0)]
+    for index, seq in enumerate(seqs):
+        seq.block_table = list(range(5 * index, 5 * index + 5))
+    first = runner.execute(ScheduledStep([ScheduledSeq(seqs[0], 9), ScheduledSeq(seqs[1], 20),
+                                          ScheduledSeq(seqs[3], 30)]))
+    seqs[0].num_computed_tokens, seqs[1].num_computed_tokens, seqs[3].num_computed_tokens = 9, 20, 30
+    seqs[0].token_ids.append(13)
+    second = runner.execute(ScheduledStep([ScheduledSeq(seqs[0], 1), ScheduledSeq(seqs[1], 25),
+                                           ScheduledSeq(seqs[2], 30), ScheduledSeq(seqs[3], 20)]))
+    # seq 2: positions 19 .. 29 score tokens 20 .. 30, then its last row samples
+    assert (len(first), len(second)) == (1, 1 + 11 + 1 + 1)
+    return torch.cat([first, second])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_that_keeps_few_rows_equals_the_transformers_forward(dtype):
+    model = tiny_model().to(dtype)
+    expected = chunked_step_logits(model, fused=False)
+    got = chunked_step_logits(model, fused=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.02 * float(expected.max() - expected.min())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=tolerance)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_float32_fused_step_equals_the_transformers_forward(family):
     model = tiny_model(family)

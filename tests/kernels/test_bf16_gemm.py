@@ -55,6 +55,11 @@ def test_linear_is_the_float32_product_rounded_once(rows, out_features, in_featu
     assert_rounded_once(got, x, weight, None)
 
 
+def test_a_product_of_no_rows_is_empty():
+    weight = random_bf16(100, 64, seed=0)
+    assert bf16_gemm.linear(random_bf16(0, 64, seed=1), bf16_gemm.pack(weight), None, 100).shape == (0, 100)
+
+
 def test_bias_is_added_before_rounding_and_non_contiguous_input_is_read_right():
     x = random_bf16(70, 20, seed=0).T  # 20 rows, not contiguous
     weight, bias = random_bf16(60, 70, seed=1), random_bf16(60, seed=2) * 100

@@ -105,9 +105,11 @@ static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
 
 int bg_bf16_gemm_available(void) { return 1; }
 
-/* x [m, k] and out [m, n] row-major bf16, k even; weight packed as above; bias [n] or NULL. */
+/* x [m, k] and out [m, n] row-major bf16, k even; weight packed as above; bias [n] or NULL.
+ * m may be 0 (a step that keeps no logits): nothing is computed. */
 void bg_bf16_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const uint16_t *bias,
                     int64_t n, uint16_t *out, int num_threads) {
+    if (m < 1) return; /* panel_range divides by the row tile count */
     int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     if (num_threads > panels) num_threads = (int)panels;
     if (num_threads < 1) num_threads = 1;
