@@ -20,6 +20,7 @@ from batchgen.config_values import options_of
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
+from batchgen.gc_pacing import paced_collection
 from batchgen.models import load_model
 from batchgen.outputs import RequestOutput, ScoreOutput
 from batchgen.plan import Plan, PlanLimits, PlannedRequest, PromptError, build_plan, build_score_plan
@@ -154,10 +155,15 @@ class LLM:
         taken lazily, in order, only while fewer than `watermark` requests and fewer than
         `WAITING_TOKENS_WATERMARK` prompt tokens wait: a planned request is admitted, a prompt
         error is yielded as its output. The bar (`desc`, `total` items: done, rate, ETA) shows
-        this call's output tok/s and prefix hit rate."""
+        this call's output tok/s and prefix hit rate. Python's garbage collector is paced
+        (`paced_collection`) until the last output is taken."""
+        with paced_collection():
+            yield from self._run(iter(items), total, use_tqdm, watermark, desc)
+
+    def _run(self, items: Iterator[PlannedRequest | PromptError], total: int | None, use_tqdm: bool,
+             watermark: int, desc: str) -> Iterator[RequestOutput]:
         before = dataclasses.replace(self.stats)
         start_time = time.time()
-        items = iter(items)
         engine = self.engine
         is_exhausted = False
         with tqdm(total=total, desc=desc, disable=not use_tqdm, unit=desc.removesuffix("s")) as bar:

@@ -22,9 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
 import json
 import resource
@@ -63,7 +61,6 @@ MAX_BAD_ROW_ERRORS = 5
 MAX_GROUP_IDS = 5
 SCORE_CHUNK_ROWS = 16384  # rows of a score job scored as one plan
 WAITING_ROWS_PER_SEQ = 4  # rows admitted ahead of the scheduler, per sequence slot (max_num_seqs)
-JOB_GC_THRESHOLD = 50_000  # allocations between young-generation collections during a job (Python's default: 700)
 TOKEN_COUNTERS = ("num_prompt_tokens", "num_computed_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens")
 
 
@@ -300,25 +297,7 @@ def generate(config: JobConfig, writer: ShardWriter, batches: Iterable[list[Inpu
     """Write every row's outputs (rows that cannot run as they are planned, then the engine's as
     they finish); returns the engine's counters."""
     layout = output_layout(config)
-    llm = load_llm(config)
-    with paced_collection():
-        return _generate(config, llm, writer, batches, counts, use_tqdm, layout)
-
-
-@contextlib.contextmanager
-def paced_collection() -> Iterator[None]:
-    """Run a job with Python's cyclic garbage collector off the long-lived objects (the model,
-    tokenizer and everything loaded so far are frozen: never scanned again) and collecting the
-    young generation less often; a job allocates millions of short-lived objects, few in cycles,
-    and the default collects every 700 allocations (measured: 16% of a tiny model's job)."""
-    threshold = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(JOB_GC_THRESHOLD, *threshold[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
+    return _generate(config, load_llm(config), writer, batches, counts, use_tqdm, layout)
 
 
 def _generate(config: JobConfig, llm: LLM, writer: ShardWriter, batches: Iterable[list[InputRow]], counts: Counter,

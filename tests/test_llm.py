@@ -4,12 +4,14 @@ preemption, sampling controls and bad input."""
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.radix_tree import RadixTree
+from batchgen.gc_pacing import RUN_GC_THRESHOLD
 from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, tiny_model, tiny_tokenizer
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head_dim 16, fp32
@@ -310,3 +312,13 @@ def test_prompts_and_params_of_different_lengths_are_refused():
     llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
     with pytest.raises(ValueError, match="differ in number"):
         list(llm.iter_generate(iter([[5, 6], [7, 8]]), iter([greedy(1)]), use_tqdm=False))
+
+
+def test_garbage_collection_is_paced_while_outputs_are_taken_and_restored_after():
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer())
+    before = gc.get_threshold()
+    outputs = llm.iter_generate([[5, 6, 7], [8, 9]], greedy(2), use_tqdm=False)
+    next(outputs)
+    assert gc.get_threshold()[0] == RUN_GC_THRESHOLD and gc.get_freeze_count() > 0
+    assert len(list(outputs)) == 1
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
