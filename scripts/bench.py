@@ -277,13 +277,18 @@ def speed_ratios(rows: list[dict]) -> dict[str, dict]:
     return ratios
 
 
+def times(ratio: float | None, spec: str) -> str:
+    """A ratio as "1.23x", or "n/a" where it was not measured."""
+    return "n/a" if ratio is None else f"{format(ratio, spec)}x"
+
+
 def ratios_table(ratios: dict[str, dict]) -> str:
     lines = ["| workload | batchgen / best transformers (out tok/s) | best transformers | batchgen / best peer "
              "| best peer | caching on / off |", "|---|---|---|---|---|---|"]
     for workload, entry in ratios.items():
-        lines.append(f"| {workload} | {fmt(entry.get('vs_best_hf'), '.2f')}x | {entry.get('best_hf', 'n/a')} "
-                     f"| {fmt(entry.get('vs_best_peer'), '.2f')}x | {entry.get('best_peer', 'n/a')} "
-                     f"| {fmt(entry.get('cache_on_vs_off'), '.3f')}x |")
+        lines.append(f"| {workload} | {times(entry.get('vs_best_hf'), '.2f')} | {entry.get('best_hf', 'n/a')} "
+                     f"| {times(entry.get('vs_best_peer'), '.2f')} | {entry.get('best_peer', 'n/a')} "
+                     f"| {times(entry.get('cache_on_vs_off'), '.3f')} |")
     return "\n".join(lines)
 
 
