@@ -807,7 +807,7 @@ static void softmax_columns(int num_vecs, int stride, int n, int as_pairs, Scrat
  * V element (or pair) is broadcast once, then each weight vector loaded once, right before its
  * `elems` products: loaded first and held across the elements instead, gcc loaded every weight
  * vector again for each element (12 loads per 12 products, load-bound; a 2,048-token bf16
- * prefill took 1.30-1.33x as long, interleaved A/B). */
+ * prefill's attention took 1.20-1.33x as long, interleaved A/B). */
 static inline __attribute__((always_inline)) void accumulate_columns_tile(const Problem *p, const float *w,
                                                                           const char *v, int64_t v_stride,
                                                                           int num_keys, int stride, float *acc,
