@@ -279,7 +279,7 @@ def speed_ratios(rows: list[dict]) -> dict[str, dict]:
 
 def times(ratio: float | None, spec: str) -> str:
     """A ratio as "1.23x", or "n/a" where it was not measured."""
-    return "n/a" if ratio is None else f"{format(ratio, spec)}x"
+    return fmt(ratio, spec) + ("" if ratio is None else "x")
 
 
 def ratios_table(ratios: dict[str, dict]) -> str:

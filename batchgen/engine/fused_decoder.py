@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -180,17 +181,19 @@ class OutputTail(NamedTuple):
 def output_tail(metadata: AttentionMetadata, logit_indices: list[int]) -> OutputTail | None:
     """The step's `OutputTail`, or None when it skips no row or would drop a decode row (cascade
     groups number the decode rows)."""
-    ends = metadata.query_start_loc[1:]
+    starts, ends = metadata.query_start_loc[:-1], metadata.query_start_loc[1:]
     if len(logit_indices) == ends[-1]:  # a decode step: every row is kept
         return None
+    seq_of_logit = [bisect.bisect_right(ends, row) for row in logit_indices]
     first_kept = list(ends)
-    for row in logit_indices:
-        seq = bisect.bisect_right(ends, row)
+    for row, seq in zip(logit_indices, seq_of_logit):
         first_kept[seq] = min(first_kept[seq], row)
     num_kept = [end - first for end, first in zip(ends, first_kept)]
     if sum(num_kept) == ends[-1] or 0 in num_kept[: metadata.num_decode_seqs]:
         return None
     tail_metadata, rows = metadata.suffixes(num_kept)
-    position = {row: index for index, row in enumerate(rows.tolist())}
-    renumbered = torch.tensor([position[row] for row in logit_indices], dtype=torch.long, device=rows.device)
-    return OutputTail(tail_metadata, rows, renumbered)
+    # a sequence's skipped rows all precede its kept ones: a kept row moves back by the rows
+    # skipped up to its sequence's first kept row
+    skipped = list(itertools.accumulate(first - start for first, start in zip(first_kept, starts)))
+    renumbered = [row - skipped[seq] for row, seq in zip(logit_indices, seq_of_logit)]
+    return OutputTail(tail_metadata, rows, torch.tensor(renumbered, dtype=torch.long, device=rows.device))
