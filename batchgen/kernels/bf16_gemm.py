@@ -2,12 +2,14 @@
 
 On a CPU with AVX512-BF16 and no AMX (AMD EPYC Zen 4 and later), oneDNN runs a decode step's
 products well below the CPU's bf16 rate; the C kernel runs them 1.2-1.5x faster at 32 rows and
-about as fast as oneDNN at 2,048 (see the source's header). `is_available` says whether this
-machine's build holds it; where it does not (no AVX512-BF16, or AMX, where oneDNN is faster),
-callers use oneDNN.
+about as fast as oneDNN at 2,048, so it runs every product there. On a CPU with AMX-BF16 the
+build's kernel is made of AMX tile products: 1.25-1.37x oneDNN at 32 rows, where the weights
+stream from memory, and slower than oneDNN's from 128 rows on (see the source's header), so it
+runs only products of up to `max_rows()` rows. `is_available` says whether this machine's build
+holds a kernel; where it does not (no AVX512-BF16), callers use oneDNN.
 
 Invariants:
-- `pack` copies a [n, k] weight (k even) into the kernel's panel layout once.
+- `pack` copies a [n, k] weight (k even) into the kernel's panel layout once; both paths read it.
 - `linear` equals ``F.linear`` on the same bf16 inputs up to the order of the float32 sums:
   each product of two bf16 values is exact in float32, the sum is rounded to bf16 once.
 """
@@ -24,6 +26,7 @@ from batchgen.kernels.c_library import load_library
 from batchgen.kernels.profiler_spans import BF16_LINEAR_SPAN, profiler_span
 
 PANEL_COLUMNS = 96  # output columns per panel of the packed layout (csrc/bf16_gemm.c)
+UNLIMITED_ROWS = 2**63 - 1  # `max_rows()` of a kernel that beats oneDNN at every row count
 
 
 @functools.cache
@@ -40,7 +43,22 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     library.bg_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.bg_bf16_linear.restype = None
+    library.bg_bf16_gemm_max_rows.restype = ctypes.c_int64
     return library
+
+
+def takes(in_features: int) -> bool:
+    """Whether this machine's build holds the kernel and it takes weights of `in_features`
+    inputs (a multiple of 2; of 32 on the AMX path)."""
+    library = _library()
+    return library is not None and in_features % library.bg_bf16_gemm_input_multiple() == 0
+
+
+def max_rows() -> int:
+    """The most rows of a product for which this build's kernel beats oneDNN: UNLIMITED_ROWS on
+    the AVX512-BF16 path, 64 on the AMX path, 0 without a kernel."""
+    library = _library()
+    return 0 if library is None else library.bg_bf16_gemm_max_rows()
 
 
 def is_available() -> bool:

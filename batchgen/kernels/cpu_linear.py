@@ -5,11 +5,16 @@ weight matrix) well below the machine's matmul rate; oneDNN, with each weight re
 once into its blocked layout, runs them faster (2-core AMD EPYC, fp32, 32 rows: 1.17x on a
 layer's seven products, 1.79x on the lm_head; about even at 2048 rows; measured by
 scripts/bench_cpu_linear.py). bf16 weights on a CPU with AVX512-BF16 and no AMX go to
-`bf16_gemm`'s C kernel instead, faster than oneDNN there (1.2-1.5x at 32 rows).
+`bf16_gemm`'s C kernel instead, faster than oneDNN there (1.2-1.5x at 32 rows); on a CPU with
+AMX, that kernel's AMX path runs the small products of decode steps (1.25-1.37x at 32 rows)
+and oneDNN the rest.
 
 Invariants:
-- `pack_weights` picks the GEMM once per weight: `bf16_gemm` for a bf16 weight with an even
-  number of inputs where that kernel is available, else oneDNN.
+- `pack_weights` packs each weight once for the GEMMs that may run it: `bf16_gemm` for a bf16
+  weight whose inputs that kernel takes, oneDNN for the rest, and on AMX both (the kernel runs
+  products of up to `bf16_gemm.max_rows()` rows, oneDNN larger ones: twice the memory of those
+  weights).
+- `packed_linear` picks by the product's row count, so the same rows always take the same GEMM.
 - `PackedLinears.pack(model)` packs every ``nn.Linear`` weight once (a copy: as much memory
   again as those weights; later changes to the weights are not seen) and leaves the model
   untouched.
@@ -38,18 +43,20 @@ ROW_BUCKET = 32
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight packed once for the GEMM that runs it, and its bias."""
+    """A weight packed once for the GEMMs that run it, and its bias: products of up to
+    `kernel_rows` rows run on `bf16_gemm` (`panels`), larger ones on oneDNN (`onednn`)."""
 
-    weight: torch.Tensor  # in `bf16_gemm.pack`'s layout where `on_bf16_gemm`, else oneDNN's
+    onednn: torch.Tensor | None  # oneDNN's packed layout; None where every product runs on bf16_gemm
+    panels: torch.Tensor | None  # `bf16_gemm.pack`'s layout; None where kernel_rows is 0
+    kernel_rows: int
     bias: torch.Tensor | None
     out_features: int
-    on_bf16_gemm: bool
 
 
 def row_bucket(weights: list[PackedWeight]) -> int:
-    """The row multiple of products with `weights`: ROW_BUCKET where any of them runs on oneDNN,
-    else 1 (the bf16 kernel takes any number of rows)."""
-    return 1 if all(weight.on_bf16_gemm for weight in weights) else ROW_BUCKET
+    """The row multiple of products with `weights`: ROW_BUCKET where any of them may run on
+    oneDNN, else 1 (the bf16 kernel takes any number of rows)."""
+    return 1 if all(weight.onednn is None for weight in weights) else ROW_BUCKET
 
 
 def bucketed(num_rows: int, bucket: int) -> int:
@@ -59,20 +66,23 @@ def bucketed(num_rows: int, bucket: int) -> int:
 
 def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedWeight:
     """The row-wise concatenation of `weights` (and of their biases, all given or all None),
-    packed once: one product computes all of them."""
+    packed once: one product computes all of them. A bf16 weight the kernel takes is packed for
+    it, and for oneDNN too where the kernel runs only small products (on AMX: both copies)."""
     weight = torch.cat([w.detach() for w in weights])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     out_features, in_features = weight.shape
-    if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and bf16_gemm.is_available():
-        return PackedWeight(bf16_gemm.pack(weight), bias, out_features, on_bf16_gemm=True)
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), bias, out_features, on_bf16_gemm=False)
+    on_kernel = weight.dtype == torch.bfloat16 and bf16_gemm.takes(in_features)
+    panels, kernel_rows = (bf16_gemm.pack(weight), bf16_gemm.max_rows()) if on_kernel else (None, 0)
+    needs_onednn = kernel_rows < bf16_gemm.UNLIMITED_ROWS
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if needs_onednn else None
+    return PackedWeight(onednn, panels, kernel_rows, bias, out_features)
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``x @ weight.T + bias`` for a 2-D `x` whose rows are `bucketed` for `packed` already."""
-    if packed.on_bf16_gemm:
-        return bf16_gemm.linear(x, packed.weight, packed.bias, packed.out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+    if packed.panels is not None and x.shape[0] <= packed.kernel_rows:
+        return bf16_gemm.linear(x, packed.panels, packed.bias, packed.out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")
 
 
 class PackedLinears:

@@ -9,15 +9,20 @@ from batchgen.kernels import bf16_gemm
 from batchgen.kernels.cpu_linear import pack_weights, packed_linear
 from tests.conftest import torch_threads
 
-# The kernel as the engine runs it on a CPU with AVX512-BF16 and no AMX; on an AMX CPU this
-# build holds it too (the engine there uses oneDNN's AMX kernels)
-KERNEL_BUILD = bf16_gemm.load_build(("-mno-amx-bf16",))
-pytestmark = pytest.mark.skipif(KERNEL_BUILD is None, reason="no C compiler or no AVX512-BF16")
+# The kernel's two paths, each built where this CPU can run it: AVX512-BF16 alone (on an AMX
+# CPU too, built without AMX) and AMX tiles
+AVX512_BUILD = bf16_gemm.load_build(("-mno-amx-bf16",))
+NATIVE_BUILD = bf16_gemm.load_build()
+AMX_BUILD = NATIVE_BUILD if NATIVE_BUILD is not None and NATIVE_BUILD.bg_bf16_gemm_input_multiple() == 32 else None
+BUILDS = [pytest.param(build, id=name) for name, build in (("avx512-bf16", AVX512_BUILD), ("amx", AMX_BUILD))
+          if build is not None]
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or no AVX512-BF16")
 
 
-@pytest.fixture(autouse=True)
-def kernel_build(monkeypatch):
-    monkeypatch.setattr(bf16_gemm, "_library", lambda: KERNEL_BUILD)
+@pytest.fixture(autouse=True, params=BUILDS)
+def build(request, monkeypatch):
+    monkeypatch.setattr(bf16_gemm, "_library", lambda: request.param)
+    return request.param
 
 
 def random_bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -44,10 +49,12 @@ def test_pack_places_each_column_pair_in_its_panel():
     assert not packed[1, :, 2:].any()  # columns past the weight's are zero
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33, 70])
-@pytest.mark.parametrize("out_features, in_features", [(1, 2), (16, 64), (97, 578), (100, 96), (300, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 70])
+@pytest.mark.parametrize("out_features, in_features", [(1, 2), (16, 64), (97, 578), (100, 96), (300, 1536), (40, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_is_the_float32_product_rounded_once(rows, out_features, in_features, threads):
+    if not bf16_gemm.takes(in_features):
+        pytest.skip(f"this path takes no weight of {in_features} inputs")
     x = random_bf16(rows, in_features, seed=rows)
     weight = random_bf16(out_features, in_features, seed=out_features)
     with torch_threads(threads):
@@ -61,17 +68,35 @@ def test_a_product_of_no_rows_is_empty():
 
 
 def test_bias_is_added_before_rounding_and_non_contiguous_input_is_read_right():
-    x = random_bf16(70, 20, seed=0).T  # 20 rows, not contiguous
-    weight, bias = random_bf16(60, 70, seed=1), random_bf16(60, seed=2) * 100
+    x = random_bf16(64, 20, seed=0).T  # 20 rows, not contiguous
+    weight, bias = random_bf16(60, 64, seed=1), random_bf16(60, seed=2) * 100
     got = bf16_gemm.linear(x, bf16_gemm.pack(weight), bias, 60)
     assert_rounded_once(got, x, weight, bias)
 
 
-def test_pack_weights_sends_even_bf16_weights_to_the_kernel_and_the_rest_to_onednn():
-    on_kernel = pack_weights([random_bf16(30, 64, seed=0), random_bf16(20, 64, seed=1)], [None, None])
-    assert on_kernel.on_bf16_gemm and on_kernel.out_features == 50
-    x = random_bf16(32, 64, seed=2)
-    assert_rounded_once(packed_linear(x, on_kernel), x, torch.cat([random_bf16(30, 64, seed=0),
-                                                                   random_bf16(20, 64, seed=1)]), None)
-    assert not pack_weights([torch.randn(8, 64)], [None]).on_bf16_gemm  # float32
-    assert not pack_weights([random_bf16(8, 63, seed=3)], [None]).on_bf16_gemm  # an odd number of inputs
+def test_the_amx_path_takes_inputs_in_multiples_of_32_and_leaves_large_products_to_onednn(build):
+    is_amx = build is AMX_BUILD
+    assert [bf16_gemm.takes(k) for k in (2, 578, 64)] == [not is_amx, not is_amx, True]
+    assert bf16_gemm.max_rows() == (64 if is_amx else bf16_gemm.UNLIMITED_ROWS)
+
+
+def test_pack_weights_packs_for_the_gemms_that_run_each_row_count(build, monkeypatch):
+    weights = [random_bf16(30, 64, seed=0), random_bf16(20, 64, seed=1)]
+    packed = pack_weights(weights, [None, None])
+    assert packed.out_features == 50 and packed.panels is not None
+    assert (packed.onednn is not None) == (build is AMX_BUILD)  # AMX: oneDNN runs the large products
+    kernel_rows = []
+    linear = bf16_gemm.linear
+    monkeypatch.setattr(bf16_gemm, "linear", lambda x, *args: kernel_rows.append(len(x)) or linear(x, *args))
+    for rows in (32, 64, 96):
+        x = random_bf16(rows, 64, seed=rows)
+        assert_rounded_once(packed_linear(x, packed), x, torch.cat(weights), None)
+    assert kernel_rows == ([32, 64] if build is AMX_BUILD else [32, 64, 96])
+
+
+def test_pack_weights_sends_other_weights_to_onednn_alone():
+    for weight in (torch.randn(8, 64), random_bf16(8, 63, seed=3)):  # float32; an odd number of inputs
+        packed = pack_weights([weight], [None])
+        assert packed.panels is None and packed.onednn is not None and packed.kernel_rows == 0
+        x = torch.randn(5, weight.shape[1]).to(weight.dtype)
+        torch.testing.assert_close(packed_linear(x, packed), torch.nn.functional.linear(x, weight))

@@ -1,48 +1,53 @@
 /*
- * The bfloat16 linear layers of a step on a CPU with AVX512-BF16 and no AMX.
+ * The bfloat16 linear layers of a step on a CPU with AVX512-BF16, through AMX tiles where the
+ * CPU has AMX-BF16.
  *
- *   bg_bf16_gemm_available  1 where this build holds the kernel (AVX512-BF16, no AMX-BF16:
- *                           oneDNN's AMX kernels are the faster ones there), else 0
- *   bg_bf16_linear          out[m, n] = bf16(x[m, k] @ w.T + bias): float32 sums of exact
- *                           bf16 products, rounded to nearest even once, as torch's GEMM does
- *
- * oneDNN runs a decode step's products (tens of rows against each weight) well below this
- * CPU's bf16 rate. Here (2-core AMD EPYC, AVX-512 on 256-bit units, bf16 dot peak ~460
- * GFLOP/s; the default model's product shapes, weights cold as in a step): 32 rows 340-415
- * against oneDNN's 240-305 GFLOP/s, 256 rows 400-415 against 375-410, 2,048 rows 390-415
- * against 335-425.
+ *   bg_bf16_gemm_available       1 where this build holds a kernel and may run it, else 0
+ *   bg_bf16_gemm_input_multiple  the multiple of k the kernel takes (2; 32 on the AMX path)
+ *   bg_bf16_gemm_max_rows        the most rows of a product for which the kernel beats oneDNN
+ *                                (no limit on the AVX512-BF16 path; 64 on the AMX path)
+ *   bg_bf16_linear               out[m, n] = bf16(x[m, k] @ w.T + bias): float32 sums of exact
+ *                                bf16 products, rounded to nearest even once, as torch's GEMM does
  *
  * Weight layout (`bf16_gemm.pack`): panel p holds output columns [96p, 96p + 96), zero past
  * n; within it, for each input pair (2i, 2i + 1), the 96 columns' two bf16 values side by
  * side. A panel is one contiguous stream of k / 2 runs of 6 vectors, the operand layout of
- * vdpbf16ps, which adds two products per lane.
+ * vdpbf16ps, which adds two products per lane, and of an AMX B tile (16 input pairs of 16
+ * columns, a row stride of one pair's 96 columns). Each thread owns a contiguous range of
+ * panels.
  *
- * Compute: a tile of 4 rows x 96 columns is 24 float32 accumulators; for each input pair it
- * loads the panel's 6 vectors once and broadcasts each row's pair (4 x 96 measured faster
- * than 8 x 48, 6 x 64 and 12 x 32 tiles at 256 and 2,048 rows, even at 32). Rows past m read row
- * m - 1 (kept in registers, never stored). Each thread owns a contiguous range of panels.
- * With few row tiles (a decode step), a panel is used by few tiles after it comes from
- * memory, so the tiles ask for the thread's next panel as they go, a line or so per input
- * pair, and its reads overlap their compute.
+ * AVX512-BF16 path (no AMX): oneDNN runs a decode step's products (tens of rows against each
+ * weight) well below this CPU's bf16 rate. Here (2-core AMD EPYC, AVX-512 on 256-bit units,
+ * bf16 dot peak ~460 GFLOP/s; the default model's product shapes, weights cold as in a step):
+ * 32 rows 340-415 against oneDNN's 240-305 GFLOP/s, 256 rows 400-415 against 375-410, 2,048
+ * rows 390-415 against 335-425. A tile of 4 rows x 96 columns is 24 float32 accumulators; for
+ * each input pair it loads the panel's 6 vectors once and broadcasts each row's pair (4 x 96
+ * measured faster than 8 x 48, 6 x 64 and 12 x 32 tiles at 256 and 2,048 rows, even at 32).
+ * Rows past m read row m - 1 (kept in registers, never stored). With few row tiles (a decode
+ * step), a panel is used by few tiles after it comes from memory, so the tiles ask for the
+ * thread's next panel as they go, a line or so per input pair, and its reads overlap their
+ * compute.
+ *
+ * AMX path: a block of 32 rows x 32 columns is four 16 x 16 float32 accumulator tiles, fed per
+ * 32 inputs by two tiles of x rows and two of the panel (tmm0-7, all eight); the block asks for
+ * the weight's lines two chunks ahead. The rows past the last multiple of 32 run after the
+ * full blocks, with tiles configured to their count (nothing past row m is read). It is built
+ * for decode steps, where a product's weights stream from memory once: here (2-core Intel
+ * Xeon with AMX, the default model's products, all 30 layers' weights cold) 32 rows take
+ * 11.1-12.1 ms against oneDNN's 14.4-15.2 (1.25-1.37x), 64 rows 15.5 against 16.0-16.8; from
+ * 128 rows on oneDNN's AMX kernels are faster (256 rows: 1.1-1.25x, 2,048: 1.3-1.6x), and
+ * `bg_bf16_gemm_max_rows` says so.
  */
 #include <stdint.h>
 
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
 
 #define BLOCK_COLUMNS 16                  /* one vector of float32 accumulators */
 #define PANEL_BLOCKS 6
 #define PANEL_COLUMNS (BLOCK_COLUMNS * PANEL_BLOCKS)
-#define TILE_ROWS 4
-#define MAX_PREFETCH_TILES 16             /* more tiles per panel: its later tiles hit cache */
 #define LINE_BYTES 64
-
-typedef struct {
-    const char *start;                    /* first line this tile asks for */
-    int64_t lines;                        /* how many */
-    int64_t per_pair;                     /* lines asked for per input pair */
-} Prefetch;
 
 /* float32 accumulators of one row block rounded to bf16 and stored, bias added, columns
  * past n left alone. */
@@ -55,6 +60,139 @@ static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, 
     }
     _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
 }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023        /* Linux: ask for a state component for this process */
+#define XFEATURE_XTILEDATA 18             /* the AMX tile registers */
+#define CHUNK_INPUTS 32                   /* inputs per tile product: 16 pairs */
+#define BLOCK_ROWS 32                     /* two tiles of 16 x rows */
+#define PREFETCH_CHUNKS 2                 /* a block asks for the weight's lines this many chunks ahead */
+#define INPUT_MULTIPLE CHUNK_INPUTS
+#define MAX_ROWS 64
+/* tile registers: four accumulators (top / bottom rows x left / right columns), two x, two weight */
+#define C_TOP_LEFT 0
+#define C_TOP_RIGHT 1
+#define C_BOTTOM_LEFT 2
+#define C_BOTTOM_RIGHT 3
+#define X_TOP 4
+#define X_BOTTOM 5
+#define W_LEFT 6
+#define W_RIGHT 7
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Every tile 64 bytes a row; the accumulators and x tiles of the top and bottom 16 rows of a
+ * block hold `top` and `bottom` rows (0: that tile unused), the weight tiles 16 input pairs. */
+static void configure_tiles(int top, int bottom) {
+    TileConfig config = {.palette_id = 1};
+    int rows[8] = {top, top, bottom, bottom, top, bottom, CHUNK_INPUTS / 2, CHUNK_INPUTS / 2};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = (uint8_t)rows[t];
+        config.bytes_per_row[t] = rows[t] > 0 ? 64 : 0;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* One block: rows [0, top + bottom) of x (row stride k) times the 32 panel columns at `w`, into
+ * `sums` as four 16 x 16 float32 tiles (top left, top right, bottom left, bottom right). */
+static void block(const uint16_t *x, int64_t k, int bottom, const uint16_t *w, float *sums) {
+    const int64_t x_stride = k * 2, w_stride = PANEL_COLUMNS * 4, w_chunk = CHUNK_INPUTS * PANEL_COLUMNS;
+    _tile_zero(C_TOP_LEFT);
+    _tile_zero(C_TOP_RIGHT);
+    if (bottom) {
+        _tile_zero(C_BOTTOM_LEFT);
+        _tile_zero(C_BOTTOM_RIGHT);
+    }
+    for (int64_t c = 0; c < k / CHUNK_INPUTS; c++) {
+        const uint16_t *chunk = w + c * w_chunk;
+        const char *ahead = (const char *)(chunk + PREFETCH_CHUNKS * w_chunk);
+        for (int line = 0; line < CHUNK_INPUTS / 2; line++) {
+            _mm_prefetch(ahead + line * w_stride, _MM_HINT_T0);
+            _mm_prefetch(ahead + line * w_stride + LINE_BYTES, _MM_HINT_T0);
+        }
+        _tile_loadd(X_TOP, x + c * CHUNK_INPUTS, x_stride);
+        _tile_loadd(W_LEFT, chunk, w_stride);
+        _tile_dpbf16ps(C_TOP_LEFT, X_TOP, W_LEFT);
+        _tile_loadd(W_RIGHT, chunk + BLOCK_COLUMNS * 2, w_stride);
+        _tile_dpbf16ps(C_TOP_RIGHT, X_TOP, W_RIGHT);
+        if (bottom) {
+            _tile_loadd(X_BOTTOM, x + 16 * k + c * CHUNK_INPUTS, x_stride);
+            _tile_dpbf16ps(C_BOTTOM_LEFT, X_BOTTOM, W_LEFT);
+            _tile_dpbf16ps(C_BOTTOM_RIGHT, X_BOTTOM, W_RIGHT);
+        }
+    }
+    _tile_stored(C_TOP_LEFT, sums, 64);
+    _tile_stored(C_TOP_RIGHT, sums + 256, 64);
+    if (bottom) {
+        _tile_stored(C_BOTTOM_LEFT, sums + 512, 64);
+        _tile_stored(C_BOTTOM_RIGHT, sums + 768, 64);
+    }
+}
+
+/* Rows [first_row, last_row) of the product over panels [first, last), in blocks of `rows`
+ * (the tiles are configured for it; every block but none past last_row is full). */
+static void row_pass(const uint16_t *x, int64_t k, const uint16_t *weight, const uint16_t *bias, int64_t n,
+                     uint16_t *out, int64_t first, int64_t last, int64_t first_row, int64_t last_row, int rows) {
+    float sums[4 * 256] __attribute__((aligned(64)));
+    int top = rows < 16 ? rows : 16, bottom = rows - top;
+    int64_t panel_elements = k * PANEL_COLUMNS;
+    for (int64_t p = first; p < last; p++)
+        for (int64_t col = p * PANEL_COLUMNS; col < (p + 1) * PANEL_COLUMNS && col < n; col += 2 * BLOCK_COLUMNS) {
+            const uint16_t *w = weight + p * panel_elements + (col - p * PANEL_COLUMNS) * 2;
+            for (int64_t row = first_row; row < last_row; row += rows) {
+                block(x + row * k, k, bottom, w, sums);
+                for (int r = 0; r < rows; r++) {
+                    const float *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
+                    store_block(out + (row + r) * n, _mm512_load_ps(tile_row), bias, col, n);
+                    if (col + BLOCK_COLUMNS < n)
+                        store_block(out + (row + r) * n, _mm512_load_ps(tile_row + 256), bias, col + BLOCK_COLUMNS, n);
+                }
+            }
+        }
+}
+
+/* Panels [first, last) of the product: the full blocks of 32 rows, then the rows past them. */
+static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const uint16_t *bias,
+                        int64_t n, uint16_t *out, int64_t first, int64_t last) {
+    int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
+    if (full_rows > 0) {
+        configure_tiles(16, 16);
+        row_pass(x, k, weight, bias, n, out, first, last, 0, full_rows, BLOCK_ROWS);
+    }
+    if (m > full_rows) {
+        int rows = (int)(m - full_rows);
+        configure_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+        row_pass(x, k, weight, bias, n, out, first, last, full_rows, m, rows);
+    }
+    _tile_release();
+}
+
+/* The process may use the tile registers once Linux grants them (asked once). */
+int bg_bf16_gemm_available(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+#else
+
+#define TILE_ROWS 4
+#define MAX_PREFETCH_TILES 16             /* more tiles per panel: its later tiles hit cache */
+#define INPUT_MULTIPLE 2
+#define MAX_ROWS INT64_MAX                /* bf16_gemm.UNLIMITED_ROWS */
+
+typedef struct {
+    const char *start;                    /* first line this tile asks for */
+    int64_t lines;                        /* how many */
+    int64_t per_pair;                     /* lines asked for per input pair */
+} Prefetch;
 
 /* Rows [0, rows) of x (row stride k) times one panel, into out's columns [col, col + PANEL_COLUMNS). */
 static void tile(const uint16_t *x, int64_t k, int rows, const uint16_t *panel, Prefetch ahead,
@@ -105,8 +243,14 @@ static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
 
 int bg_bf16_gemm_available(void) { return 1; }
 
-/* x [m, k] and out [m, n] row-major bf16, k even; weight packed as above; bias [n] or NULL.
- * m may be 0 (a step that keeps no logits): nothing is computed. */
+#endif
+
+int bg_bf16_gemm_input_multiple(void) { return INPUT_MULTIPLE; }
+
+int64_t bg_bf16_gemm_max_rows(void) { return MAX_ROWS; }
+
+/* x [m, k] and out [m, n] row-major bf16, k a multiple of INPUT_MULTIPLE; weight packed as
+ * above; bias [n] or NULL. m may be 0 (a step that keeps no logits): nothing is computed. */
 void bg_bf16_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const uint16_t *bias,
                     int64_t n, uint16_t *out, int num_threads) {
     if (m < 1) return; /* panel_range divides by the row tile count */
@@ -123,5 +267,9 @@ void bg_bf16_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wei
 #else
 
 int bg_bf16_gemm_available(void) { return 0; }
+
+int bg_bf16_gemm_input_multiple(void) { return 2; }
+
+int64_t bg_bf16_gemm_max_rows(void) { return 0; }
 
 #endif
