@@ -61,7 +61,7 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
-        self.backend = make_backend(config.attention_backend, self.device)
+        self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype)
         model.set_attn_implementation(register())
         self.fused = FusedDecoder.build(model) if config.fused_step else None
         self.linears = PackedLinears.pack(model) if config.pack_linear_weights and self.fused is None else None

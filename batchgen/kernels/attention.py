@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from batchgen.kernels.prefill_cascade import CascadeGroup, attend_groups, build_groups, shared_block_runs
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
 ATTENTION_NAME = "batchgen"
@@ -63,11 +64,18 @@ class AttentionMetadata:
                 torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
+    def prefill_cascade(self) -> list[CascadeGroup]:
+        """The step's short prefill chunks that share cached prefix blocks, in cascade groups (on
+        CPU; none elsewhere); built at the first layer's call, shared by every layer."""
+        return build_groups(self) if self.block_tables.device.type == "cpu" else []
+
+    @cached_property
     def short_prefill(self) -> PrefillBatch | None:
-        """The step's short prefill chunks as one padded batch (None for fewer than two); built
-        at the first layer's call, shared by every layer."""
+        """The step's other short prefill chunks as one padded batch (None for fewer than two);
+        built at the first layer's call, shared by every layer."""
+        in_cascade = {s for group in self.prefill_cascade for s in group.seqs}
         seqs = [s for s in range(self.num_decode_seqs, len(self.query_lens))
-                if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN]
+                if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN and s not in in_cascade]
         if len(seqs) < 2:
             return None
         device = self.block_tables.device
@@ -145,37 +153,13 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-MIN_SHARED_BLOCKS = 4  # a shorter shared prefix is not worth a separate pass
-
-
 def shared_prefix_groups(block_tables: list[list[int]], context_lens: list[int], num_decode: int,
                          block_size: int) -> list[tuple[int, int, int]]:
-    """Runs of adjacent decode rows holding the same leading blocks: (first, end, prefix_tokens).
-
-    A run is cut where the next row shares fewer than half the run's blocks, so a long common
-    prefix is not shortened to a short one; prefix_tokens < every member's context length.
-    """
-    groups = []
-    first = 0
-    while first < num_decode:
-        shared, end = (context_lens[first] - 1) // block_size, first + 1
-        while end < num_decode:
-            limit = min(shared, (context_lens[end] - 1) // block_size)
-            common = common_prefix_len(block_tables[first], block_tables[end], limit)
-            if common < max(MIN_SHARED_BLOCKS, shared // 2):
-                break
-            shared, end = common, end + 1
-        if end - first > 1:
-            groups.append((first, end, shared * block_size))
-        first = end
-    return groups
-
-
-def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    length = 0
-    while length < limit and a[length] == b[length]:
-        length += 1
-    return length
+    """Runs of adjacent decode rows holding the same leading blocks: (first, end, prefix_tokens),
+    prefix_tokens < every member's context length (see `prefill_cascade.shared_block_runs`)."""
+    limits = [(context_len - 1) // block_size for context_len in context_lens[:num_decode]]
+    return [(first, end, shared * block_size)
+            for first, end, shared in shared_block_runs(block_tables[:num_decode], limits)]
 
 
 def padded_context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, width: int,
@@ -273,8 +257,9 @@ class NativeBackend(AttentionBackend):
     takes `groups=` (metadata.decode_groups) and reads a group's shared prefix once for all its
     sequences (cascade attention). `prefill`, when given, attends every prefill chunk over the
     pool in one call and returns False where it does not apply (then SDPA runs them). Through
-    SDPA, a prefill chunk with no cached context attends to its own new K/V without touching
-    the pool.
+    SDPA, short chunks sharing cached prefix blocks attend as a cascade on CPU
+    (`prefill_cascade`), and a prefill chunk with no cached context attends to its own new K/V
+    without touching the pool.
     """
 
     name = "native"
@@ -296,10 +281,11 @@ class NativeBackend(AttentionBackend):
             return
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        attend_groups(q, flat_k, flat_v, meta.prefill_cascade, scale, out)
         batch = meta.short_prefill
         if batch is not None:
             attend_prefill_batch(q, flat_k, flat_v, batch, scale, out)
-        batched = set(batch.seqs) if batch is not None else set()
+        batched = {s for group in meta.prefill_cascade for s in group.seqs} | set(batch.seqs if batch else ())
         for s in range(num_decode, len(meta.query_lens)):
             if s in batched:
                 continue
@@ -353,8 +339,9 @@ def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out[:, :, 0, :]
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"reference", "native", or "auto" (native with the device's fastest decode path)."""
+def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """"reference", "native", or "auto" (native with the device's fastest decode and prefill
+    paths for `dtype`)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
@@ -363,8 +350,8 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         from batchgen.kernels import cpu_attention
 
         if cpu_attention.is_available():
-            return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
-                                 shares_prefixes=True)
+            prefill = cpu_attention.paged_prefill_attention if cpu_attention.prefill_is_preferred(dtype) else None
+            return NativeBackend(cpu_attention.paged_decode_attention, prefill=prefill, shares_prefixes=True)
     return NativeBackend(_decode_function(device))
 
 

@@ -119,7 +119,7 @@ def test_cuda_strided_query_and_backend_wiring():
     from batchgen.kernels.attention import gather_decode, make_backend
 
     assert cuda_attention.is_available()
-    assert make_backend("auto", torch.device("cuda")).decode is cuda_attention.paged_decode_attention
+    assert make_backend("auto", torch.device("cuda"), torch.float32).decode is cuda_attention.paged_decode_attention
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
         CUDA_CONTEXT_LENS, 9, 3, 64, torch.bfloat16, seed=5, device="cuda")
     strided_q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [S, H, D] view with head-major memory

@@ -1176,6 +1176,16 @@ int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, co
     return status;
 }
 
+/* 1 where this build's CPU has AMX-BF16: there torch's flash attention, whose products run on
+ * AMX tiles, is the faster bf16 prefill (cpu_attention.prefill_is_preferred). */
+int bg_has_amx_bf16(void) {
+#if defined(__AMX_BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int bg_supports_float16(void) {
 #ifdef __FLT16_MAX__
     return 1;
