@@ -155,6 +155,7 @@ class ModelRunner:
             block_tables_list=block_tables,
             num_decode_seqs=num_decode,
             block_size=self.block_size,
+            is_cascading=self.backend.cascades,
         )
         if self.backend.shares_prefixes:
             groups = shared_prefix_groups(block_tables, context_lens, num_decode, self.block_size)

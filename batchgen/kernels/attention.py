@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from batchgen.kernels.prefill_cascade import CascadeGroup, attend_groups, build_groups, shared_block_runs
+from batchgen.kernels.cascade_attention import CascadeGroup, attend_groups, build_groups, shared_block_runs
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
 ATTENTION_NAME = "batchgen"
@@ -54,6 +54,7 @@ class AttentionMetadata:
     num_decode_seqs: int
     block_size: int
     decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefix_groups
+    is_cascading: bool = False  # short prefill chunks sharing cached prefix blocks attend as `cascade_groups`
 
     @cached_property
     def prefill_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,18 +65,22 @@ class AttentionMetadata:
                 torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
-    def prefill_cascade(self) -> list[CascadeGroup]:
-        """The step's short prefill chunks that share cached prefix blocks, in cascade groups (on
-        CPU; none elsewhere); built at the first layer's call, shared by every layer."""
-        return build_groups(self) if self.block_tables.device.type == "cpu" else []
+    def cascade_groups(self) -> list[CascadeGroup]:
+        """Where `is_cascading`, the step's short prefill chunks that share cached prefix blocks, in
+        cascade groups (`cascade_attention`); built at the first layer's call, shared by every layer."""
+        return build_groups(self) if self.is_cascading else []
+
+    @cached_property
+    def in_cascade(self) -> set[int]:
+        """The sequences of `cascade_groups`."""
+        return {s for group in self.cascade_groups for s in group.seqs}
 
     @cached_property
     def short_prefill(self) -> PrefillBatch | None:
         """The step's other short prefill chunks as one padded batch (None for fewer than two);
         built at the first layer's call, shared by every layer."""
-        in_cascade = {s for group in self.prefill_cascade for s in group.seqs}
         seqs = [s for s in range(self.num_decode_seqs, len(self.query_lens))
-                if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN and s not in in_cascade]
+                if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN and s not in self.in_cascade]
         if len(seqs) < 2:
             return None
         device = self.block_tables.device
@@ -117,6 +122,7 @@ class AttentionMetadata:
             num_decode_seqs=self.num_decode_seqs,
             block_size=self.block_size,
             decode_groups=self.decode_groups,
+            is_cascading=self.is_cascading,
         ), rows_tensor
 
 
@@ -146,6 +152,7 @@ class AttentionBackend:
 
     name = "base"
     shares_prefixes = False  # whether forward() uses metadata.decode_groups
+    cascades = False  # whether forward() uses metadata.cascade_groups (the step sets is_cascading)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -156,7 +163,7 @@ class AttentionBackend:
 def shared_prefix_groups(block_tables: list[list[int]], context_lens: list[int], num_decode: int,
                          block_size: int) -> list[tuple[int, int, int]]:
     """Runs of adjacent decode rows holding the same leading blocks: (first, end, prefix_tokens),
-    prefix_tokens < every member's context length (see `prefill_cascade.shared_block_runs`)."""
+    prefix_tokens < every member's context length (see `cascade_attention.shared_block_runs`)."""
     limits = [(context_len - 1) // block_size for context_len in context_lens[:num_decode]]
     return [(first, end, shared * block_size)
             for first, end, shared in shared_block_runs(block_tables[:num_decode], limits)]
@@ -257,17 +264,18 @@ class NativeBackend(AttentionBackend):
     takes `groups=` (metadata.decode_groups) and reads a group's shared prefix once for all its
     sequences (cascade attention). `prefill`, when given, attends every prefill chunk over the
     pool in one call and returns False where it does not apply (then SDPA runs them). Through
-    SDPA, short chunks sharing cached prefix blocks attend as a cascade on CPU
-    (`prefill_cascade`), and a prefill chunk with no cached context attends to its own new K/V
+    SDPA, when `cascades` (CPU), short chunks sharing cached prefix blocks attend as a cascade
+    (`cascade_attention`), and a prefill chunk with no cached context attends to its own new K/V
     without touching the pool.
     """
 
     name = "native"
 
-    def __init__(self, decode, prefill=None, shares_prefixes: bool = False):
+    def __init__(self, decode, prefill=None, shares_prefixes: bool = False, cascades: bool = False):
         self.decode = decode
         self.prefill = prefill
         self.shares_prefixes = shares_prefixes
+        self.cascades = cascades
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         num_decode = meta.num_decode_seqs
@@ -281,13 +289,13 @@ class NativeBackend(AttentionBackend):
             return
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        attend_groups(q, flat_k, flat_v, meta.prefill_cascade, scale, out)
+        attend_groups(q, flat_k, flat_v, meta.cascade_groups, scale, out)
         batch = meta.short_prefill
         if batch is not None:
             attend_prefill_batch(q, flat_k, flat_v, batch, scale, out)
-        batched = {s for group in meta.prefill_cascade for s in group.seqs} | set(batch.seqs if batch else ())
+        done = meta.in_cascade | set(batch.seqs if batch else ())
         for s in range(num_decode, len(meta.query_lens)):
-            if s in batched:
+            if s in done:
                 continue
             start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
             num_context = meta.context_lens_list[s]
@@ -350,8 +358,10 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
         from batchgen.kernels import cpu_attention
 
         if cpu_attention.is_available():
-            prefill = cpu_attention.paged_prefill_attention if cpu_attention.prefill_is_preferred(dtype) else None
-            return NativeBackend(cpu_attention.paged_decode_attention, prefill=prefill, shares_prefixes=True)
+            if cpu_attention.prefill_is_preferred(dtype):
+                return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
+                                     shares_prefixes=True)
+            return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True, cascades=True)
     return NativeBackend(_decode_function(device))
 
 

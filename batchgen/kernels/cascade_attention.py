@@ -1,20 +1,22 @@
-"""Cascade prefill attention: short prefill chunks that share cached prefix blocks attend to
-that prefix together, in one call, then each to the rest of its context.
+"""Cascade prefill through flash attention: short prefill chunks of a step that share cached
+prefix blocks attend to that prefix together, in one call, then each to the rest of its context.
 
-A step of a few-shot or shared-system job holds dozens of short chunks (a row's own question)
-whose contexts begin with the same cached prefix (the shots, the system prompt). Attended one
-by one, each chunk reads the whole prefix and runs small products against it. Here every
-member's queries attend the group's prefix in one unmasked flash-attention call (query heads
-folded onto their kv head, so the products are large), each member attends its own tokens
-past the prefix in one padded, masked call for the group, and the two partial softmaxes merge
-by their log-sum-exp.
+In a few-shot or shared-system job, dozens of a step's chunks (each a row's own question) have
+contexts that begin with the same cached prefix (the shots, the system prompt). Attended one by
+one, each reads the whole prefix and runs small products against it. Here every member's
+queries attend the group's prefix in one unmasked flash-attention call (query heads folded onto
+their kv head, so the products are large: on a CPU with AMX they run on its tiles), each member
+attends its own tokens past the prefix in one padded, masked call for the group, and the two
+partial softmaxes merge by their log-sum-exp. Decode rows are left to the decode kernel's own
+cascade: for one query a member, this path's dozen small torch calls a layer cost more than
+they save (shared-system in bf16 on an AMX CPU: 13.7 s through here against 7.8).
 
 Invariants:
 - A group's prefix ends at or before every member's first query position, so each member's
-  queries see all of it; members are adjacent prefill sequences of the step holding the same
+  queries see all of it; members are adjacent prefill chunks of the step holding the same
   leading blocks (`shared_block_runs`) with at most MAX_MEMBER_QUERIES queries each.
 - The result equals each chunk's causal attention over its context, up to float rounding.
-- Built once per step (`AttentionMetadata.prefill_cascade`), shared by every layer.
+- Built once per step (`AttentionMetadata.cascade_groups`), shared by every layer.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
 
 
 def build_groups(meta) -> list[CascadeGroup]:
-    """The cascade groups among `meta`'s prefill sequences (an `AttentionMetadata`)."""
+    """The cascade groups among `meta`'s prefill chunks (an `AttentionMetadata`)."""
     seqs = [s for s in range(meta.num_decode_seqs, len(meta.query_lens)) if meta.query_lens[s] <= MAX_MEMBER_QUERIES]
     limits = [(meta.context_lens_list[s] - meta.query_lens[s]) // meta.block_size for s in seqs]
     runs = shared_block_runs([meta.block_tables_list[s] for s in seqs], limits)
