@@ -21,8 +21,10 @@ Layout invariants (`AttentionMetadata`):
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
 others; "native" batches decode rows through one kernel call that reads the pool in place
 (compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
-runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512, float32 /
-bfloat16), else `scaled_dot_product_attention`.
+runs prefill chunks through the C prefill kernel on CPU where it applies and is the faster
+(AVX-512, float32 / bfloat16; not bfloat16 on a CPU with AMX), else `scaled_dot_product_attention`
+(on CPU, torch's flash attention), where on an AMX CPU short chunks sharing a cached prefix
+attend it together (`cascade_attention`).
 """
 
 from __future__ import annotations
