@@ -83,6 +83,34 @@ def test_cascade_decode_equals_transformers_generate(monkeypatch):
     assert (0, 20, 96) in groups_seen
 
 
+def test_cascade_prefill_equals_transformers_generate(monkeypatch):
+    # the AMX configuration (prefill through flash attention, short chunks sharing cached blocks
+    # as a cascade), forced here on any CPU: 19 prompts wait for the first to compute their
+    # shared 6 blocks, then their own tokens run as one cascade group
+    from batchgen.kernels import attention, cpu_attention
+
+    if not cpu_attention.is_available():
+        pytest.skip("no C compiler for the decode kernel")
+    groups_seen = []
+
+    def recording(meta):
+        groups = build_groups(meta)
+        groups_seen.extend(group.seqs for group in groups)
+        return groups
+
+    build_groups = attention.build_groups
+    monkeypatch.setattr(attention, "build_groups", recording)
+    model = tiny_model(hidden_size=128)
+    prefix = list(range(100, 200))
+    prompts = [prefix + [300 + i] * (1 + i % 7) for i in range(20)]
+    expected = [hf_greedy(model, prompt, 6) for prompt in prompts]
+    llm = LLM(model, tokenizer=tiny_tokenizer())
+    llm.engine.runner.backend = attention.NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True,
+                                                        cascades=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)] == expected
+    assert max(map(len, groups_seen)) == 19
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_small_pool_preempts_and_evicts_with_same_outputs(family):
     model, workload, expected = model_and_oracle(family)

@@ -39,6 +39,7 @@ class CascadeGroup:
     prefix_slots: torch.Tensor  # [Lp] cache slots of the shared prefix
     rows: torch.Tensor  # [M, Qm] packed row of each member query (padding repeats the last one)
     is_real: torch.Tensor  # [M, Qm] bool: the query is not padding
+    real_rows: torch.Tensor  # [R] the real queries' packed rows, member by member (rows[is_real])
     own_slots: torch.Tensor  # [M, Sm] cache slots of each member's positions past the prefix (padding: its last)
     own_mask: torch.Tensor  # [M, 1, Qm, Sm] additive: 0 where the key is at or before the query, else -inf
 
@@ -81,6 +82,7 @@ def build_groups(meta) -> list[CascadeGroup]:
 
 
 def group_layout(meta, seqs: list[int], prefix_tokens: int) -> CascadeGroup:
+    """The layout of members `seqs` whose contexts share their first `prefix_tokens` tokens."""
     device, block_size = meta.block_tables.device, meta.block_size
     query_lens = torch.tensor([meta.query_lens[s] for s in seqs])
     context_lens = torch.tensor([meta.context_lens_list[s] for s in seqs])
@@ -95,18 +97,19 @@ def group_layout(meta, seqs: list[int], prefix_tokens: int) -> CascadeGroup:
     visible = (own_positions[None, None] <= query_pos[:, :, None]) & (own_positions[None, None] < context_lens[:, None, None])
     own_mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None]
     prefix_slots = tables[0, : prefix_tokens // block_size, None] * block_size + torch.arange(block_size)
-    return CascadeGroup(seqs, prefix_slots.flatten().to(device), rows.to(device),
-                        (query_index[None] < query_lens[:, None]).to(device), own_slots.to(device), own_mask.to(device))
+    is_real = query_index[None] < query_lens[:, None]
+    return CascadeGroup(seqs, prefix_slots.flatten().to(device), rows.to(device), is_real.to(device),
+                        rows[is_real].to(device), own_slots.to(device), own_mask.to(device))
 
 
 def attend_groups(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, groups: list[CascadeGroup],
                   scale: float, out: torch.Tensor) -> None:
     """Each group's members' attention over their contexts, into their rows of `out` ([T, H, D])."""
     for group in groups:
-        queries = q[group.rows[group.is_real]]  # [R, H, D]
+        queries = q[group.real_rows]  # [R, H, D]
         shared, shared_lse = attend_unmasked(queries, flat_k[group.prefix_slots], flat_v[group.prefix_slots], scale)
         own, own_lse = attend_own(q, flat_k, flat_v, group, scale)
-        out[group.rows[group.is_real]] = merge(shared, shared_lse, own, own_lse).to(out.dtype)
+        out[group.real_rows] = merge(shared, shared_lse, own, own_lse).to(out.dtype)
 
 
 def attend_unmasked(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
