@@ -60,24 +60,35 @@ def test_greedy_equals_transformers_at_block_sizes_off_the_kernels_16_key_groups
     assert [o.token_ids for o in run_workload(llm, workload)] == expected
 
 
-def test_cascade_decode_equals_transformers_generate(monkeypatch):
-    # head_dim 32: the CPU kernel's AVX-512 path, where its cascade runs; 20 rows share 6 blocks
-    # and 4 tokens, then each has its own tokens (two tiles of the cascade's first pass)
-    from batchgen.engine import model_runner
-
-    groups_seen = []
+def recorded(monkeypatch, module, name: str, record) -> list:
+    """Calls of `module.name` go on as before; `record(result)` of each is added to the returned list."""
+    seen, original = [], getattr(module, name)
 
     def recording(*args):
-        groups = shared_prefix_groups(*args)
-        groups_seen.extend(groups)
-        return groups
+        result = original(*args)
+        seen.extend(record(result))
+        return result
 
-    shared_prefix_groups = model_runner.shared_prefix_groups
-    monkeypatch.setattr(model_runner, "shared_prefix_groups", recording)
+    monkeypatch.setattr(module, name, recording)
+    return seen
+
+
+@functools.lru_cache(maxsize=None)
+def shared_prefix_oracle():
+    """head_dim 32 (the CPU kernels' AVX-512 path, where they run): 20 prompts sharing 6 blocks and 4
+    tokens, then each its own tokens, and transformers' 6 greedy tokens for each."""
     model = tiny_model(hidden_size=128)
     prefix = list(range(100, 200))
     prompts = [prefix + [300 + i] * (1 + i % 7) for i in range(20)]
-    expected = [hf_greedy(model, prompt, 6) for prompt in prompts]
+    return model, prompts, [hf_greedy(model, prompt, 6) for prompt in prompts]
+
+
+def test_cascade_decode_equals_transformers_generate(monkeypatch):
+    # the decode rows form one group (two tiles of the cascade's first pass)
+    from batchgen.engine import model_runner
+
+    groups_seen = recorded(monkeypatch, model_runner, "shared_prefix_groups", lambda groups: groups)
+    model, prompts, expected = shared_prefix_oracle()
     llm = LLM(model, tokenizer=tiny_tokenizer())
     assert [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)] == expected
     assert (0, 20, 96) in groups_seen
@@ -86,24 +97,13 @@ def test_cascade_decode_equals_transformers_generate(monkeypatch):
 def test_cascade_prefill_equals_transformers_generate(monkeypatch):
     # the AMX configuration (prefill through flash attention, short chunks sharing cached blocks
     # as a cascade), forced here on any CPU: 19 prompts wait for the first to compute their
-    # shared 6 blocks, then their own tokens run as one cascade group
+    # shared blocks, then their own tokens run as one cascade group
     from batchgen.kernels import attention, cpu_attention
 
     if not cpu_attention.is_available():
         pytest.skip("no C compiler for the decode kernel")
-    groups_seen = []
-
-    def recording(meta):
-        groups = build_groups(meta)
-        groups_seen.extend(group.seqs for group in groups)
-        return groups
-
-    build_groups = attention.build_groups
-    monkeypatch.setattr(attention, "build_groups", recording)
-    model = tiny_model(hidden_size=128)
-    prefix = list(range(100, 200))
-    prompts = [prefix + [300 + i] * (1 + i % 7) for i in range(20)]
-    expected = [hf_greedy(model, prompt, 6) for prompt in prompts]
+    groups_seen = recorded(monkeypatch, attention, "build_groups", lambda groups: [g.seqs for g in groups])
+    model, prompts, expected = shared_prefix_oracle()
     llm = LLM(model, tokenizer=tiny_tokenizer())
     llm.engine.runner.backend = attention.NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True,
                                                         cascades=True)
