@@ -38,6 +38,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from batchgen.kernels.cascade_attention import CascadeGroup, attend_groups, build_groups, shared_block_runs
+from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
 ATTENTION_NAME = "batchgen"
@@ -83,20 +84,7 @@ class AttentionMetadata:
         built at the first layer's call, shared by every layer."""
         seqs = [s for s in range(self.num_decode_seqs, len(self.query_lens))
                 if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN and s not in self.in_cascade]
-        if len(seqs) < 2:
-            return None
-        device = self.block_tables.device
-        query_lens = torch.tensor([self.query_lens[s] for s in seqs])
-        context_lens = torch.tensor([self.context_lens_list[s] for s in seqs])
-        query_index = torch.arange(int(query_lens.max()))
-        is_real = query_index[None] < query_lens[:, None]
-        starts = torch.tensor([self.query_start_loc[s] for s in seqs])
-        rows = starts[:, None] + torch.minimum(query_index[None], query_lens[:, None] - 1)
-        positions = torch.arange(int(context_lens.max()))
-        slots = padded_context_slots(self.block_tables[seqs].cpu(), context_lens, len(positions), self.block_size)
-        query_pos = (context_lens - query_lens)[:, None] + query_index[None]  # [P, Qm]
-        mask = (positions[None, None] <= query_pos[:, :, None]) & (positions[None, None] < context_lens[:, None, None])
-        return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device))
+        return padded_chunks(self, seqs) if len(seqs) >= 2 else None
 
     def suffixes(self, num_kept: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
         """The layout of only the last `num_kept[s]` query rows of each sequence s (0 drops it),
@@ -129,17 +117,6 @@ class AttentionMetadata:
 
 
 @dataclass
-class PrefillBatch:
-    """Short prefill chunks padded into one batch: P sequences, at most Qm queries and Cm keys each."""
-
-    seqs: list[int]  # the sequences, as numbered in the step
-    rows: torch.Tensor  # [P, Qm] packed-token row of each query (padding repeats the last one)
-    is_real: torch.Tensor  # [P, Qm] bool: the query is not padding
-    slots: torch.Tensor  # [P, Cm] cache slot of each context position (padding: the last one's, masked)
-    mask: torch.Tensor  # [P, 1, Qm, Cm] bool: the key is in the context and at or before the query
-
-
-@dataclass
 class AttentionStep:
     """What one forward pass's attention calls need: the pool, the layout, the backend."""
 
@@ -169,23 +146,6 @@ def shared_prefix_groups(block_tables: list[list[int]], context_lens: list[int],
     limits = [(context_len - 1) // block_size for context_len in context_lens[:num_decode]]
     return [(first, end, shared * block_size)
             for first, end, shared in shared_block_runs(block_tables[:num_decode], limits)]
-
-
-def padded_context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, width: int,
-                         block_size: int) -> torch.Tensor:
-    """[S, width] cache slots of positions 0..width-1 of each sequence. A position past a
-    sequence's context reads its last one, a written slot: the pool's unwritten slots hold
-    anything, NaN included, and 0 * NaN would leak through an attention mask."""
-    positions = torch.arange(width, device=block_tables.device)
-    read = torch.minimum(positions[None], context_lens[:, None].long().to(block_tables.device) - 1)
-    return torch.gather(block_tables.long(), 1, read // block_size) * block_size + read % block_size
-
-
-def context_slots(block_table: list[int], num_tokens: int, block_size: int, device) -> torch.Tensor:
-    """Cache slots of positions 0..num_tokens-1 of a sequence with this block table."""
-    positions = torch.arange(num_tokens, device=device)
-    table = torch.tensor(block_table, dtype=torch.long, device=device)
-    return table[positions // block_size] * block_size + positions % block_size
 
 
 def attend_one_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

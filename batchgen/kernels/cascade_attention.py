@@ -27,21 +27,26 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks
+
 MAX_MEMBER_QUERIES = 64  # longer chunks attend on their own: their padding would cost more than the sharing saves
 MIN_SHARED_BLOCKS = 4  # a shorter shared prefix is not worth a separate pass
 
 
 @dataclass
 class CascadeGroup:
-    """One group's layout: the prefix slots, the members' query rows, their own keys."""
+    """One group's layout: the shared prefix's slots, the members' real query rows, and the
+    members as a padded batch over their positions past the prefix."""
 
-    seqs: list[int]  # member sequences, as numbered in the step
     prefix_slots: torch.Tensor  # [Lp] cache slots of the shared prefix
-    rows: torch.Tensor  # [M, Qm] packed row of each member query (padding repeats the last one)
-    is_real: torch.Tensor  # [M, Qm] bool: the query is not padding
-    real_rows: torch.Tensor  # [R] the real queries' packed rows, member by member (rows[is_real])
-    own_slots: torch.Tensor  # [M, Sm] cache slots of each member's positions past the prefix (padding: its last)
-    own_mask: torch.Tensor  # [M, 1, Qm, Sm] additive: 0 where the key is at or before the query, else -inf
+    real_rows: torch.Tensor  # [R] the real queries' packed rows, member by member
+    own: PrefillBatch  # the members over their positions past the prefix
+    own_mask: torch.Tensor  # [M, 1, Qm, Sm] `own.mask` as added to the scores: 0 where visible, else -inf
+
+    @property
+    def seqs(self) -> list[int]:
+        """The member sequences, as numbered in the step."""
+        return self.own.seqs
 
 
 def shared_block_runs(block_tables: list[list[int]], max_shared_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -83,23 +88,11 @@ def build_groups(meta) -> list[CascadeGroup]:
 
 def group_layout(meta, seqs: list[int], prefix_tokens: int) -> CascadeGroup:
     """The layout of members `seqs` whose contexts share their first `prefix_tokens` tokens."""
-    device, block_size = meta.block_tables.device, meta.block_size
-    query_lens = torch.tensor([meta.query_lens[s] for s in seqs])
-    context_lens = torch.tensor([meta.context_lens_list[s] for s in seqs])
-    query_index = torch.arange(int(query_lens.max()))
-    starts = torch.tensor([meta.query_start_loc[s] for s in seqs])
-    rows = starts[:, None] + torch.minimum(query_index[None], query_lens[:, None] - 1)
-    own_positions = prefix_tokens + torch.arange(int(context_lens.max()) - prefix_tokens)  # [Sm]
-    read = torch.minimum(own_positions[None], context_lens[:, None] - 1)  # [M, Sm]
-    tables = meta.block_tables[seqs].cpu().long()
-    own_slots = torch.gather(tables, 1, read // block_size) * block_size + read % block_size
-    query_pos = (context_lens - query_lens)[:, None] + query_index[None]  # [M, Qm]
-    visible = (own_positions[None, None] <= query_pos[:, :, None]) & (own_positions[None, None] < context_lens[:, None, None])
-    own_mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None]
-    prefix_slots = tables[0, : prefix_tokens // block_size, None] * block_size + torch.arange(block_size)
-    is_real = query_index[None] < query_lens[:, None]
-    return CascadeGroup(seqs, prefix_slots.flatten().to(device), rows.to(device), is_real.to(device),
-                        rows[is_real].to(device), own_slots.to(device), own_mask.to(device))
+    device = meta.block_tables.device
+    own = padded_chunks(meta, seqs, first_key=prefix_tokens)
+    own_mask = torch.zeros(own.mask.shape, device=device).masked_fill(~own.mask, float("-inf"))
+    return CascadeGroup(context_slots(meta.block_tables_list[seqs[0]], prefix_tokens, meta.block_size, device),
+                        own.rows[own.is_real], own, own_mask)
 
 
 def attend_groups(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, groups: list[CascadeGroup],
@@ -132,13 +125,14 @@ def attend_own(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, grou
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each member's attention over its positions past the prefix, causal: the output and
     log-sum-exp of its real query rows ([R, H, D], [R, H])."""
-    queries = q[group.rows].transpose(1, 2)  # [M, H, Qm, D]
+    own = group.own
+    queries = q[own.rows].transpose(1, 2)  # [M, H, Qm, D]
     group_size = queries.shape[1] // flat_k.shape[1]
-    keys = flat_k[group.own_slots].to(q.dtype).repeat_interleave(group_size, dim=2).transpose(1, 2)  # [M, H, Sm, D]
-    values = flat_v[group.own_slots].to(q.dtype).repeat_interleave(group_size, dim=2).transpose(1, 2)
+    keys = flat_k[own.slots].to(q.dtype).repeat_interleave(group_size, dim=2).transpose(1, 2)  # [M, H, Sm, D]
+    values = flat_v[own.slots].to(q.dtype).repeat_interleave(group_size, dim=2).transpose(1, 2)
     output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         queries, keys, values, attn_mask=group.own_mask.to(q.dtype), scale=scale)
-    return output.transpose(1, 2)[group.is_real], lse.transpose(1, 2)[group.is_real]
+    return output.transpose(1, 2)[own.is_real], lse.transpose(1, 2)[own.is_real]
 
 
 def merge(first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor) -> torch.Tensor:
