@@ -124,7 +124,7 @@ def paged_decode_attention(
         head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
         torch.get_num_threads(), None if groups is None else groups.data_ptr(), 0 if groups is None else len(groups),
     )
-    _check_status("paged_decode_attention", status)
+    check_status("paged_decode_attention", status)
     return out
 
 
@@ -164,11 +164,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
         torch.get_num_threads(),
     )
-    _check_status("paged_prefill_attention", status)
+    check_status("paged_prefill_attention", status)
     return True
 
 
-def _check_status(function: str, status: int) -> None:
+def check_status(function: str, status: int) -> None:
     """ValueError naming what the kernel refused, for a status other than 0."""
     if status != 0:
         raise ValueError(f"{function}: {_STATUS_MESSAGES.get(status, f'status {status}')}")

@@ -62,11 +62,8 @@ static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, 
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023        /* Linux: ask for a state component for this process */
-#define XFEATURE_XTILEDATA 18             /* the AMX tile registers */
 #define CHUNK_INPUTS 32                   /* inputs per tile product: 16 pairs */
 #define BLOCK_ROWS 32                     /* two tiles of 16 x rows */
 #define PREFETCH_CHUNKS 2                 /* a block asks for the weight's lines this many chunks ahead */
@@ -81,12 +78,6 @@ static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, 
 #define X_BOTTOM 5
 #define W_LEFT 6
 #define W_RIGHT 7
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* Every tile 64 bytes a row; the accumulators and x tiles of the top and bottom 16 rows of a
  * block hold `top` and `bottom` rows (0: that tile unused), the weight tiles 16 input pairs. */
@@ -175,11 +166,7 @@ static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
 }
 
 /* The process may use the tile registers once Linux grants them (asked once). */
-int bg_bf16_gemm_available(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
-}
+int bg_bf16_gemm_available(void) { return amx_tiles_granted(); }
 
 #else
 

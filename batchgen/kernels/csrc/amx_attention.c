@@ -1,0 +1,540 @@
+/*
+ * Prefill attention on AMX tiles: causal attention of a step's prefill chunks over the paged
+ * KV pool, bfloat16, head_dim 64, built where the CPU has AMX-BF16 (elsewhere every call
+ * returns STATUS_UNSUPPORTED and bg_amx_attention_available says 0).
+ *
+ * Layout (as paged_attention.c): q, out [rows, num_heads, 64]; k_cache, v_cache [num_blocks,
+ * block_size, num_kv_heads, 64]; block_tables [num_seqs, max_blocks] int32; sequence s's
+ * queries are packed rows query_starts[s] .. + query_lens[s], the last query_lens[s] of its
+ * context_lens[s] positions, whose K/V are in the pool. Query head h reads kv head
+ * h / (num_heads / num_kv_heads).
+ *
+ * Units and segments. A group (first, end, prefix) is adjacent sequences whose contexts hold
+ * the same blocks for their first `prefix` positions and whose queries all come after them:
+ * their rows are one unit, and that prefix one key segment which every row of the unit sees.
+ * Any other sequence is a unit of its own with no prefix. Each member's positions past the
+ * prefix are its own segment, which its rows alone see, causally.
+ *
+ * Staging. Before any score, every (unit, kv head)'s segments are copied once from the pool
+ * into tile order, in key blocks of 32: K as the B operands of the score product (per 16 keys
+ * and 32 dims a tile of 16 dim pairs x 16 keys, a transpose in 32-bit pairs), then V as the B
+ * operands of the value product (per 16 dims a tile of 16 key pairs x 16 dims, the two keys'
+ * values side by side). Keys past a segment's end are zero and masked.
+ *
+ * Work. An item is (unit, query head, up to ITEM_BLOCKS row blocks of 16 rows), costliest
+ * first. A row block keeps its 16 x 64 output in four float32 accumulator tiles across all its
+ * key blocks; per key block: two 16 x 16 score tiles, the softmax in AVX-512 over the stored
+ * scores, then one product of the probabilities (bf16) with the four V tiles.
+ *
+ * Softmax. Scores are in log2 units (scale * log2(e)). A row's probabilities are
+ * 2^(score - m) for a reference m that moves only when a score exceeds it by more than
+ * RESCALE_LOG2: then m becomes the row's max so far, and its sum and accumulator row are
+ * multiplied by 2^(old m - new m) (the tiles stored, scaled, loaded back). Probabilities stay
+ * below 2^RESCALE_LOG2, so nothing overflows, and the result is the same softmax.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+    STATUS_OK = 0,
+    STATUS_BAD_CONTEXT_LEN = 1,
+    STATUS_BAD_BLOCK_ID = 2,
+    STATUS_UNSUPPORTED = 3,
+    STATUS_NO_MEMORY = 4,
+    STATUS_BAD_GROUP = 5
+};
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "amx.h"
+
+#define HEAD_DIM 64
+#define BLOCK_ROWS 16                          /* query rows of a row block: one tile's rows */
+#define BLOCK_KEYS 32                          /* keys of a key block: one bf16 A tile's row */
+#define ITEM_BLOCKS 8                          /* row blocks of a work item */
+#define RESCALE_LOG2 8.0f                      /* the reference max moves past this excess */
+#define TILE_BYTES 1024                        /* 16 rows of 64 bytes */
+#define KEY_BLOCK_BYTES (8 * TILE_BYTES)       /* 4 K tiles (key half x dim half), 4 V tiles */
+#define V_TILES (4 * TILE_BYTES)               /* offset of the V tiles in a key block */
+
+/* Tile registers: the row block's output (dims 16j .. 16j + 15 in tmm j), its queries (dims
+ * 0-31, 32-63), the scores then probabilities, and one K or V operand. */
+#define Q_LOW 4
+#define Q_HIGH 5
+#define SCORES 6
+#define OPERAND 7
+
+typedef struct {
+    const uint16_t *q;
+    uint16_t *out;
+    const uint16_t *k_cache, *v_cache;
+    const int32_t *block_tables, *context_lens, *query_starts, *query_lens;
+    int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
+    float scale_log2; /* the softmax scale times log2(e) */
+} Problem;
+
+typedef struct {
+    int first, end, prefix;   /* member sequences first .. end - 1, sharing positions [0, prefix) */
+    int64_t num_rows;         /* the members' query rows, packed from query_starts[first] on */
+    int64_t staged;           /* byte offset of its kv head 0 staging; kv head h at + h * head_bytes */
+    int64_t head_bytes;
+} Unit;
+
+/* A row block's state across its key blocks. */
+typedef struct {
+    _Alignas(64) float scores[BLOCK_ROWS * BLOCK_KEYS];
+    _Alignas(64) uint16_t probs[BLOCK_ROWS * BLOCK_KEYS];
+    _Alignas(64) float acc[BLOCK_ROWS * HEAD_DIM];  /* the accumulator tiles when stored */
+    _Alignas(64) float sums[BLOCK_ROWS * 16];       /* each row's sum, as 16 partial sums */
+    _Alignas(64) uint16_t q[BLOCK_ROWS * HEAD_DIM];
+    float max[BLOCK_ROWS];                          /* each row's reference max (-inf: none yet) */
+    float factor[BLOCK_ROWS];                       /* each row's accumulator factor of this key block */
+    int is_empty;                                   /* no key block accumulated yet */
+} BlockState;
+
+static void configure_tiles(void) {
+    TileConfig config = {.palette_id = 1};
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* 2^x for 16 floats (finite, or masked off by the caller): x = n + f with n an integer and
+ * |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative error < 3e-6), times 2^n exactly. */
+static inline __m512 exp2_16(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 poly = _mm512_set1_ps(1.3333558146428441e-3f);
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.618129107628477e-3f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821576e-2f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402265069591007e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931471805599453e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(poly, n);
+}
+
+/* ---- staging ---- */
+
+/* The pool row of position `pos` of the sequence with `table`, kv head `kv_head`; NULL where the
+ * block id is outside the pool. */
+static const uint16_t *pool_row(const Problem *p, const uint16_t *cache, const int32_t *table, int pos, int kv_head) {
+    int32_t block = table[pos / p->block_size];
+    if (block < 0 || block >= p->num_blocks) return NULL;
+    int64_t slot = (int64_t)block * p->block_size + pos % p->block_size;
+    return cache + (slot * p->num_kv_heads + kv_head) * HEAD_DIM;
+}
+
+/* r transposed as a 16 x 16 matrix of 32-bit elements: at each step s, the off-diagonal s x s
+ * sub-blocks of every 2s x 2s block swap. */
+static void transpose16(__m512i r[16]) {
+    const __m512i column = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int s = 8; s >= 1; s /= 2) {
+        __m512i step = _mm512_set1_epi32(s), other = _mm512_set1_epi32(16);
+        __mmask16 upper = _mm512_test_epi32_mask(column, step);
+        /* row i keeps its columns with bit s clear, and takes row i + s's there; row i + s the rest */
+        __m512i low = _mm512_mask_blend_epi32(upper, column, _mm512_sub_epi32(_mm512_add_epi32(column, other), step));
+        __m512i high = _mm512_mask_blend_epi32(upper, _mm512_add_epi32(column, step), _mm512_add_epi32(column, other));
+        for (int i = 0; i < 16; i++) {
+            if (i & s) continue;
+            __m512i a = r[i], b = r[i + s];
+            r[i] = _mm512_permutex2var_epi32(a, low, b);
+            r[i + s] = _mm512_permutex2var_epi32(a, high, b);
+        }
+    }
+}
+
+/* Positions first .. first + n - 1 of the sequence with `table` (kv head `kv_head`) into tile
+ * order at `dst` (ceil(n / 32) key blocks). Returns STATUS_BAD_BLOCK_ID for a block id outside
+ * the pool. */
+static int stage_segment(const Problem *p, const int32_t *table, int first, int n, int kv_head, char *dst) {
+    __m512i interleave_index;
+    {
+        uint16_t index[32];
+        for (int c = 0; c < 16; c++) index[2 * c] = (uint16_t)c, index[2 * c + 1] = (uint16_t)(16 + c);
+        interleave_index = _mm512_loadu_si512(index);
+    }
+    for (int k0 = 0; k0 < n; k0 += BLOCK_KEYS, dst += KEY_BLOCK_BYTES) {
+        const uint16_t *k_rows[BLOCK_KEYS], *v_rows[BLOCK_KEYS];
+        for (int i = 0; i < BLOCK_KEYS; i++) {
+            k_rows[i] = v_rows[i] = NULL;
+            if (k0 + i >= n) continue;
+            k_rows[i] = pool_row(p, p->k_cache, table, first + k0 + i, kv_head);
+            v_rows[i] = pool_row(p, p->v_cache, table, first + k0 + i, kv_head);
+            if (k_rows[i] == NULL) return STATUS_BAD_BLOCK_ID;
+        }
+        for (int half = 0; half < 2; half++)     /* keys 16 half .. + 15 */
+            for (int dims = 0; dims < 2; dims++) { /* dims 32 dims .. + 31 */
+                __m512i r[16];
+                for (int i = 0; i < 16; i++) {
+                    const uint16_t *row = k_rows[16 * half + i];
+                    r[i] = row ? _mm512_loadu_si512(row + 32 * dims) : _mm512_setzero_si512();
+                }
+                transpose16(r);
+                char *tile = dst + (2 * half + dims) * TILE_BYTES;
+                for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 64 * i, r[i]);
+            }
+        for (int pair = 0; pair < 16; pair++) {
+            const uint16_t *a = v_rows[2 * pair], *b = v_rows[2 * pair + 1];
+            for (int j = 0; j < 4; j++) {
+                __m256i first_key = a ? _mm256_loadu_si256((const __m256i *)(a + 16 * j)) : _mm256_setzero_si256();
+                __m256i second_key = b ? _mm256_loadu_si256((const __m256i *)(b + 16 * j)) : _mm256_setzero_si256();
+                __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first_key), second_key, 1);
+                _mm512_store_si512(dst + V_TILES + j * TILE_BYTES + 64 * pair,
+                                   _mm512_permutexvar_epi16(interleave_index, both));
+            }
+        }
+    }
+    return STATUS_OK;
+}
+
+static int key_blocks(int n) { return (n + BLOCK_KEYS - 1) / BLOCK_KEYS; }
+
+/* The length of member `seq`'s own segment (its positions from the unit's prefix on). */
+static int own_length(const Problem *p, const Unit *u, int seq) { return p->context_lens[seq] - u->prefix; }
+
+/* Every segment of unit `u` for `kv_head`: the prefix, then each member's own positions. */
+static int stage_unit(const Problem *p, const Unit *u, int kv_head, char *staging) {
+    char *dst = staging + u->staged + kv_head * u->head_bytes;
+    const int32_t *first_table = p->block_tables + (int64_t)u->first * p->max_blocks;
+    int code = stage_segment(p, first_table, 0, u->prefix, kv_head, dst);
+    dst += (int64_t)key_blocks(u->prefix) * KEY_BLOCK_BYTES;
+    for (int seq = u->first; seq < u->end && code == STATUS_OK; seq++) {
+        int length = own_length(p, u, seq);
+        code = stage_segment(p, p->block_tables + (int64_t)seq * p->max_blocks, u->prefix, length, kv_head, dst);
+        dst += (int64_t)key_blocks(length) * KEY_BLOCK_BYTES;
+    }
+    return code;
+}
+
+/* ---- one row block ---- */
+
+static void load_queries(const Problem *p, int64_t first_row, int rows, int head, BlockState *b) {
+    for (int r = 0; r < BLOCK_ROWS; r++) {
+        uint16_t *dst = b->q + r * HEAD_DIM;
+        if (r < rows) memcpy(dst, p->q + ((first_row + r) * p->num_heads + head) * HEAD_DIM, 2 * HEAD_DIM);
+        else memset(dst, 0, 2 * HEAD_DIM);
+    }
+    _tile_loadd(Q_LOW, b->q, 2 * HEAD_DIM);
+    _tile_loadd(Q_HIGH, b->q + 32, 2 * HEAD_DIM);
+}
+
+static void reset_state(BlockState *b) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int r = 0; r < BLOCK_ROWS; r++) b->max[r] = -INFINITY;
+    memset(b->sums, 0, sizeof(b->sums));
+    b->is_empty = 1;
+}
+
+/* Scores of the row block's queries with the key block's 32 keys, into b->scores [16][32]. */
+static void score_tiles(const char *key_block, BlockState *b) {
+    for (int half = 0; half < 2; half++) {
+        _tile_zero(SCORES);
+        _tile_loadd(OPERAND, key_block + (2 * half) * TILE_BYTES, 64);
+        _tile_dpbf16ps(SCORES, Q_LOW, OPERAND);
+        _tile_loadd(OPERAND, key_block + (2 * half + 1) * TILE_BYTES, 64);
+        _tile_dpbf16ps(SCORES, Q_HIGH, OPERAND);
+        _tile_stored(SCORES, b->scores + 16 * half, 4 * BLOCK_KEYS);
+    }
+}
+
+static inline __mmask16 first_lanes(int count) {
+    return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
+}
+
+/* The softmax step of a key block whose first `visible[r]` keys row r sees (none for <= 0, all
+ * for >= 32): the probabilities into b->probs (bf16, 0 where masked), the sums, and each row's
+ * accumulator factor (1 unless its reference max moved). Returns 1 when some factor is not 1. */
+static int softmax_block(const int *visible, float scale_log2, BlockState *b) {
+    int moved = 0;
+    const __m512 scale = _mm512_set1_ps(scale_log2);
+    for (int r = 0; r < BLOCK_ROWS; r++) {
+        b->factor[r] = 1.0f;
+        if (visible[r] <= 0) {
+            _mm512_store_si512(b->probs + r * BLOCK_KEYS, _mm512_setzero_si512());
+            continue;
+        }
+        __mmask16 low = first_lanes(visible[r]), high = first_lanes(visible[r] - 16);
+        __m512 x0 = _mm512_mul_ps(_mm512_load_ps(b->scores + r * BLOCK_KEYS), scale);
+        __m512 x1 = _mm512_mul_ps(_mm512_load_ps(b->scores + r * BLOCK_KEYS + 16), scale);
+        float reference = b->max[r];
+        __m512 bound = _mm512_set1_ps(reference + RESCALE_LOG2);
+        if (_mm512_mask_cmp_ps_mask(low, x0, bound, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(high, x1, bound, _CMP_GT_OQ)) {
+            __m512 seen = _mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), low, x0),
+                                        _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), high, x1));
+            float new_max = fmaxf(reference, _mm512_reduce_max_ps(seen));
+            float factor = reference == -INFINITY ? 0.0f : exp2f(reference - new_max);
+            float *sums = b->sums + 16 * r;
+            _mm512_store_ps(sums, _mm512_mul_ps(_mm512_load_ps(sums), _mm512_set1_ps(factor)));
+            b->factor[r] = factor, b->max[r] = reference = new_max, moved = 1;
+        }
+        __m512 shift = _mm512_set1_ps(reference);
+        __m512 e0 = _mm512_maskz_mov_ps(low, exp2_16(_mm512_sub_ps(x0, shift)));
+        __m512 e1 = _mm512_maskz_mov_ps(high, exp2_16(_mm512_sub_ps(x1, shift)));
+        float *sums = b->sums + 16 * r;
+        _mm512_store_ps(sums, _mm512_add_ps(_mm512_load_ps(sums), _mm512_add_ps(e0, e1)));
+        _mm512_store_si512(b->probs + r * BLOCK_KEYS, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* e0's 16, then e1's */
+    }
+    return moved;
+}
+
+static void store_accumulators(BlockState *b) {
+    _tile_stored(0, b->acc, 4 * HEAD_DIM);
+    _tile_stored(1, b->acc + 16, 4 * HEAD_DIM);
+    _tile_stored(2, b->acc + 32, 4 * HEAD_DIM);
+    _tile_stored(3, b->acc + 48, 4 * HEAD_DIM);
+}
+
+/* Each accumulator row times its factor (the tiles stored, scaled, loaded back). */
+static void rescale_accumulators(BlockState *b) {
+    store_accumulators(b);
+    for (int r = 0; r < BLOCK_ROWS; r++) {
+        if (b->factor[r] == 1.0f) continue;
+        __m512 factor = _mm512_set1_ps(b->factor[r]);
+        for (int j = 0; j < HEAD_DIM; j += 16)
+            _mm512_store_ps(b->acc + r * HEAD_DIM + j, _mm512_mul_ps(_mm512_load_ps(b->acc + r * HEAD_DIM + j), factor));
+    }
+    _tile_loadd(0, b->acc, 4 * HEAD_DIM);
+    _tile_loadd(1, b->acc + 16, 4 * HEAD_DIM);
+    _tile_loadd(2, b->acc + 32, 4 * HEAD_DIM);
+    _tile_loadd(3, b->acc + 48, 4 * HEAD_DIM);
+}
+
+/* The accumulators += the probabilities' product with the key block's values. */
+static void value_tiles(const char *key_block, BlockState *b) {
+    _tile_loadd(SCORES, b->probs, 2 * BLOCK_KEYS);
+    _tile_loadd(OPERAND, key_block + V_TILES, 64);
+    _tile_dpbf16ps(0, SCORES, OPERAND);
+    _tile_loadd(OPERAND, key_block + V_TILES + TILE_BYTES, 64);
+    _tile_dpbf16ps(1, SCORES, OPERAND);
+    _tile_loadd(OPERAND, key_block + V_TILES + 2 * TILE_BYTES, 64);
+    _tile_dpbf16ps(2, SCORES, OPERAND);
+    _tile_loadd(OPERAND, key_block + V_TILES + 3 * TILE_BYTES, 64);
+    _tile_dpbf16ps(3, SCORES, OPERAND);
+}
+
+/* The row block attends to a staged segment of which row r sees the first limit[r] keys. */
+static void attend_segment(const char *segment, const int *limit, float scale_log2, BlockState *b) {
+    int most = 0;
+    for (int r = 0; r < BLOCK_ROWS; r++) most = limit[r] > most ? limit[r] : most;
+    for (int k0 = 0; k0 < most; k0 += BLOCK_KEYS) {
+        const char *key_block = segment + (int64_t)(k0 / BLOCK_KEYS) * KEY_BLOCK_BYTES;
+        int visible[BLOCK_ROWS];
+        for (int r = 0; r < BLOCK_ROWS; r++) visible[r] = limit[r] - k0;
+        score_tiles(key_block, b);
+        if (softmax_block(visible, scale_log2, b) && !b->is_empty) rescale_accumulators(b);
+        value_tiles(key_block, b);
+        b->is_empty = 0;
+    }
+}
+
+/* Each real row's output: its accumulator row over its sum, as bf16. */
+static void store_rows(const Problem *p, int64_t first_row, int rows, int head, BlockState *b) {
+    store_accumulators(b);
+    for (int r = 0; r < rows; r++) {
+        __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r)));
+        uint16_t *dst = p->out + ((first_row + r) * p->num_heads + head) * HEAD_DIM;
+        for (int j = 0; j < HEAD_DIM; j += 16)
+            _mm256_storeu_si256((__m256i *)(dst + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(b->acc + r * HEAD_DIM + j), inverse)));
+    }
+}
+
+/* Unit rows first .. first + rows - 1 (rows <= 16) of unit `u`, query head `head`. */
+static void attend_block(const Problem *p, const Unit *u, const char *staging, int head, int64_t first, int rows,
+                         BlockState *b) {
+    int64_t unit_row = p->query_starts[u->first];
+    const char *segment = staging + u->staged + (int64_t)(head / (p->num_heads / p->num_kv_heads)) * u->head_bytes;
+    int limit[BLOCK_ROWS];
+    load_queries(p, unit_row + first, rows, head, b);
+    reset_state(b);
+    if (u->prefix > 0) {
+        for (int r = 0; r < BLOCK_ROWS; r++) limit[r] = r < rows ? u->prefix : 0;
+        attend_segment(segment, limit, p->scale_log2, b);
+    }
+    segment += (int64_t)key_blocks(u->prefix) * KEY_BLOCK_BYTES;
+    for (int seq = u->first; seq < u->end; seq++) {
+        int length = own_length(p, u, seq);
+        int64_t member_first = p->query_starts[seq] - unit_row, member_end = member_first + p->query_lens[seq];
+        if (member_first < first + rows && member_end > first) {
+            /* row i of the member sits at own position length - query_len + i */
+            for (int r = 0; r < BLOCK_ROWS; r++) {
+                int64_t row = first + r;
+                limit[r] = r < rows && row >= member_first && row < member_end
+                               ? (int)(length - p->query_lens[seq] + (row - member_first) + 1)
+                               : 0;
+            }
+            attend_segment(segment, limit, p->scale_log2, b);
+        }
+        segment += (int64_t)key_blocks(length) * KEY_BLOCK_BYTES;
+    }
+    store_rows(p, unit_row + first, rows, head, b);
+}
+
+/* ---- planning ---- */
+
+typedef struct {
+    int unit, head, first_block;
+    int64_t cost;
+} Item;
+
+static int by_cost_descending(const void *a, const void *b) {
+    int64_t x = ((const Item *)a)->cost, y = ((const Item *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* Checks the sequences and groups and lays out the units (as many as returned, into `units`)
+ * and their staging (*staging_bytes). Returns the unit count, or -STATUS_* when an input is refused. */
+static int plan_units(const Problem *p, int num_seqs, const int32_t *groups, int num_groups, Unit *units,
+                      int64_t *staging_bytes) {
+    for (int seq = 0; seq < num_seqs; seq++)
+        if (p->query_lens[seq] < 1 || p->query_lens[seq] > p->context_lens[seq] ||
+            p->context_lens[seq] > (int64_t)p->max_blocks * p->block_size)
+            return -STATUS_BAD_CONTEXT_LEN;
+    int num_units = 0, g = 0;
+    *staging_bytes = 0;
+    for (int seq = 0; seq < num_seqs;) {
+        Unit u = {seq, seq + 1, 0, 0, 0, 0};
+        if (g < num_groups && groups[3 * g] == seq) {
+            u.end = groups[3 * g + 1], u.prefix = groups[3 * g + 2], g++;
+            if (u.end > num_seqs || u.end - u.first < 2 || u.prefix < 1) return -STATUS_BAD_GROUP;
+        }
+        int64_t blocks = key_blocks(u.prefix);
+        for (int member = u.first; member < u.end; member++) {
+            const int32_t *table = p->block_tables + (int64_t)member * p->max_blocks;
+            int own = own_length(p, &u, member);
+            if (own < p->query_lens[member] || p->query_starts[member] != p->query_starts[u.first] + u.num_rows ||
+                memcmp(table, p->block_tables + (int64_t)u.first * p->max_blocks,
+                       sizeof(int32_t) * ((u.prefix + p->block_size - 1) / p->block_size)))
+                return -STATUS_BAD_GROUP;
+            u.num_rows += p->query_lens[member];
+            blocks += key_blocks(own);
+        }
+        u.head_bytes = blocks * KEY_BLOCK_BYTES, u.staged = *staging_bytes;
+        *staging_bytes += u.head_bytes * p->num_kv_heads;
+        units[num_units++] = u;
+        seq = u.end;
+    }
+    return g == num_groups ? num_units : -STATUS_BAD_GROUP; /* a group out of order or overlapping */
+}
+
+/* Work items of every unit, costliest first: (unit, query head, first row block); returns their count. */
+static int plan_items(const Problem *p, const Unit *units, int num_units, Item *items) {
+    int num_items = 0;
+    for (int u = 0; u < num_units; u++) {
+        int64_t blocks = (units[u].num_rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+        int64_t keys = units[u].prefix + (p->context_lens[units[u].end - 1] - units[u].prefix);
+        for (int64_t block = 0; block < blocks; block += ITEM_BLOCKS)
+            for (int head = 0; head < p->num_heads; head++) {
+                /* its rows times the keys its last row sees, at most */
+                int64_t rows = blocks - block < ITEM_BLOCKS ? blocks - block : ITEM_BLOCKS;
+                int64_t last = (block + rows) * BLOCK_ROWS;
+                int64_t seen = keys - (units[u].num_rows > last ? units[u].num_rows - last : 0);
+                items[num_items++] = (Item){u, head, (int)block, rows * (seen > 1 ? seen : 1)};
+            }
+    }
+    qsort(items, num_items, sizeof(Item), by_cost_descending);
+    return num_items;
+}
+
+static int item_count(const Unit *units, int num_units, int num_heads) {
+    int count = 0;
+    for (int u = 0; u < num_units; u++)
+        count += (int)((units[u].num_rows + BLOCK_ROWS * ITEM_BLOCKS - 1) / (BLOCK_ROWS * ITEM_BLOCKS)) * num_heads;
+    return count;
+}
+
+/* Stage every unit, then run every item, on num_threads threads. */
+static int run(const Problem *p, const Unit *units, int num_units, const Item *items, int num_items, char *staging,
+               int num_threads) {
+    int status = STATUS_OK;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < num_units * p->num_kv_heads; i++) {
+            int code = stage_unit(p, &units[i / p->num_kv_heads], i % p->num_kv_heads, staging);
+            if (code != STATUS_OK) {
+#pragma omp atomic write
+                status = code;
+            }
+        }
+        int staged;
+#pragma omp atomic read
+        staged = status;
+        if (staged == STATUS_OK) {
+            configure_tiles();
+            BlockState *b = (BlockState *)aligned_alloc(64, sizeof(BlockState));
+            if (b == NULL) {
+#pragma omp atomic write
+                status = STATUS_NO_MEMORY;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < num_items; i++) {
+                const Unit *u = &units[items[i].unit];
+                int64_t first = (int64_t)items[i].first_block * BLOCK_ROWS;
+                for (int block = 0; block < ITEM_BLOCKS && b != NULL && first < u->num_rows; block++, first += BLOCK_ROWS)
+                    attend_block(p, u, staging, items[i].head, first,
+                                 u->num_rows - first < BLOCK_ROWS ? (int)(u->num_rows - first) : BLOCK_ROWS, b);
+            }
+            free(b);
+            _tile_release();
+        }
+    }
+    return status;
+}
+
+int bg_amx_attention_available(void) { return amx_tiles_granted(); }
+
+/* Entry point: see the top of this file. `groups` holds num_groups rows (first, end, prefix), in
+ * order and disjoint, over sequences 0 .. num_seqs - 1: members first .. end - 1 (at least two)
+ * hold the same blocks for positions [0, prefix), prefix >= 1, every query after it, and their
+ * rows packed one after another. Returns a STATUS_* code; on STATUS_OK every element of every
+ * query row of `out` is written. */
+int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                             const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
+                             const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                             int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
+                             const int32_t *groups, int num_groups) {
+    if (head_dim != HEAD_DIM || !amx_tiles_granted()) return STATUS_UNSUPPORTED;
+    Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                 block_tables, context_lens, query_starts, query_lens, num_heads, num_kv_heads, num_blocks,
+                 block_size, max_blocks, scale * 1.4426950408889634f};
+    Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
+    if (units == NULL) return STATUS_NO_MEMORY;
+    int64_t staging_bytes;
+    int num_units = plan_units(&p, num_seqs, groups, num_groups, units, &staging_bytes);
+    if (num_units < 0) {
+        free(units);
+        return -num_units;
+    }
+    int num_items = item_count(units, num_units, num_heads);
+    Item *items = (Item *)malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
+    char *staging = (char *)aligned_alloc(64, (size_t)(staging_bytes > 0 ? staging_bytes : 64));
+    int status = STATUS_NO_MEMORY;
+    if (items != NULL && staging != NULL)
+        status = run(&p, units, num_units, items, plan_items(&p, units, num_units, items), staging, num_threads);
+    free(units), free(items), free(staging);
+    return status;
+}
+
+#else
+
+int bg_amx_attention_available(void) { return 0; }
+
+int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                             const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
+                             const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                             int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
+                             const int32_t *groups, int num_groups) {
+    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
+    (void)query_lens, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks;
+    (void)block_size, (void)max_blocks, (void)scale, (void)num_threads, (void)groups, (void)num_groups;
+    return STATUS_UNSUPPORTED;
+}
+
+#endif
