@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import cpu_attention
-from batchgen.kernels.attention import shared_prefix_groups
+from batchgen.kernels.shared_prefixes import decode_groups
 
 NUM_SEQS, CONTEXT_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 1024, 9, 3, 64, 16
 
@@ -142,7 +142,7 @@ def compare_cascade(repeats: int, scale: float) -> None:
           f"{'cascade ms':>12}{'speedup':>9}{'max abs diff':>14}")
     for dtype in (torch.float32, torch.bfloat16):
         q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(dtype)
-        groups = torch.tensor(shared_prefix_groups(block_tables.tolist(), context_lens.tolist(), len(q), BLOCK_SIZE),
+        groups = torch.tensor(decode_groups(block_tables.tolist(), context_lens.tolist(), len(q), BLOCK_SIZE),
                               dtype=torch.int32)
         args = (q, k_cache, v_cache, block_tables, context_lens, scale)
         plain_ms = median_ms(cpu_attention.paged_decode_attention, args, repeats)

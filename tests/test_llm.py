@@ -87,28 +87,11 @@ def test_cascade_decode_equals_transformers_generate(monkeypatch):
     # the decode rows form one group (two tiles of the cascade's first pass)
     from batchgen.engine import model_runner
 
-    groups_seen = recorded(monkeypatch, model_runner, "shared_prefix_groups", lambda groups: groups)
+    groups_seen = recorded(monkeypatch, model_runner, "decode_groups", lambda groups: groups)
     model, prompts, expected = shared_prefix_oracle()
     llm = LLM(model, tokenizer=tiny_tokenizer())
     assert [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)] == expected
     assert (0, 20, 96) in groups_seen
-
-
-def test_cascade_prefill_equals_transformers_generate(monkeypatch):
-    # the AMX configuration (prefill through flash attention, short chunks sharing cached blocks
-    # as a cascade), forced here on any CPU: 19 prompts wait for the first to compute their
-    # shared blocks, then their own tokens run as one cascade group
-    from batchgen.kernels import attention, cpu_attention
-
-    if not cpu_attention.is_available():
-        pytest.skip("no C compiler for the decode kernel")
-    groups_seen = recorded(monkeypatch, attention, "build_groups", lambda groups: [g.seqs for g in groups])
-    model, prompts, expected = shared_prefix_oracle()
-    llm = LLM(model, tokenizer=tiny_tokenizer())
-    llm.engine.runner.backend = attention.NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True,
-                                                        cascades=True)
-    assert [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)] == expected
-    assert max(map(len, groups_seen)) == 19
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -25,9 +25,9 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.step import ScheduledStep
 from batchgen.models import kv_bytes_per_token, kv_cache_shape
-from batchgen.kernels.attention import (AttentionMetadata, AttentionStep, make_backend, register,
-                                        shared_prefix_groups)
+from batchgen.kernels.attention import AttentionMetadata, AttentionStep, make_backend, register
 from batchgen.kernels.cpu_linear import PackedLinears
+from batchgen.kernels.shared_prefixes import decode_groups
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 CUDA_KV_CACHE_FRACTION = 0.85
@@ -158,7 +158,7 @@ class ModelRunner:
             is_cascading=self.backend.cascades,
         )
         if self.backend.shares_prefixes:
-            groups = shared_prefix_groups(block_tables, context_lens, num_decode, self.block_size)
+            groups = decode_groups(block_tables, context_lens, num_decode, self.block_size)
             if groups:
                 metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
         return (torch.tensor(token_ids, device=device), positions.to(device), metadata,

@@ -16,15 +16,16 @@ Layout invariants (`AttentionMetadata`):
   block table so that sequences sharing prefix blocks are adjacent.
 - `decode_groups` rows (first, end, prefix_tokens): decode sequences first..end-1 hold the same
   blocks for their first prefix_tokens tokens (fewer than each one's context); set only for a
-  backend that `shares_prefixes`.
+  backend that `shares_prefixes`. `prefill_groups` are the same for prefill chunks (every query
+  after the prefix), built only for a backend that `cascades` (`shared_prefixes`).
 
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
 others; "native" batches decode rows through one kernel call that reads the pool in place
 (compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
-runs prefill chunks through the C prefill kernel on CPU where it applies and is the faster
-(AVX-512, float32 / bfloat16; not bfloat16 on a CPU with AMX), else `scaled_dot_product_attention`
-(on CPU, torch's flash attention), where on an AMX CPU short chunks sharing a cached prefix
-attend it together (`cascade_attention`).
+runs prefill chunks through a C prefill kernel on CPU where one applies: on a CPU with AMX-BF16
+in bfloat16 the AMX kernel (`amx_attention`, head_dim 64), where chunks sharing cached prefix
+blocks attend it together; else the AVX-512 kernel (float32 / bfloat16); else
+`scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from batchgen.kernels.cascade_attention import CascadeGroup, attend_groups, build_groups, shared_block_runs
 from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
+from batchgen.kernels.shared_prefixes import prefill_groups
 
 ATTENTION_NAME = "batchgen"
 MAX_BATCHED_PREFILL_LEN = 64  # prefill chunks of at most this many tokens attend in one padded call
@@ -56,8 +57,8 @@ class AttentionMetadata:
     block_tables_list: list[list[int]]  # S
     num_decode_seqs: int
     block_size: int
-    decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefix_groups
-    is_cascading: bool = False  # short prefill chunks sharing cached prefix blocks attend as `cascade_groups`
+    decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefixes.decode_groups
+    is_cascading: bool = False  # prefill chunks sharing cached prefix blocks attend as `prefill_groups`
 
     @cached_property
     def prefill_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,22 +69,22 @@ class AttentionMetadata:
                 torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
-    def cascade_groups(self) -> list[CascadeGroup]:
-        """Where `is_cascading`, the step's short prefill chunks that share cached prefix blocks, in
-        cascade groups (`cascade_attention`); built at the first layer's call, shared by every layer."""
-        return build_groups(self) if self.is_cascading else []
-
-    @cached_property
-    def in_cascade(self) -> set[int]:
-        """The sequences of `cascade_groups`."""
-        return {s for group in self.cascade_groups for s in group.seqs}
+    def prefill_groups(self) -> torch.Tensor | None:
+        """Where `is_cascading`, the prefill chunks that share cached prefix blocks as int32 [G, 3]
+        rows (first, end, prefix_tokens), numbered from the first chunk (`shared_prefixes`); built
+        at the first layer's call, shared by every layer."""
+        if not self.is_cascading:
+            return None
+        groups = prefill_groups(self.block_tables_list, self.context_lens_list, self.query_lens,
+                                self.num_decode_seqs, self.block_size)
+        return torch.tensor(groups, dtype=torch.int32).reshape(-1, 3)
 
     @cached_property
     def short_prefill(self) -> PrefillBatch | None:
         """The step's other short prefill chunks as one padded batch (None for fewer than two);
         built at the first layer's call, shared by every layer."""
         seqs = [s for s in range(self.num_decode_seqs, len(self.query_lens))
-                if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN and s not in self.in_cascade]
+                if self.query_lens[s] <= MAX_BATCHED_PREFILL_LEN]
         return padded_chunks(self, seqs) if len(seqs) >= 2 else None
 
     def suffixes(self, num_kept: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -131,21 +132,12 @@ class AttentionBackend:
 
     name = "base"
     shares_prefixes = False  # whether forward() uses metadata.decode_groups
-    cascades = False  # whether forward() uses metadata.cascade_groups (the step sets is_cascading)
+    cascades = False  # whether forward() uses metadata.prefill_groups (the step sets is_cascading)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         """Write the attention of every query row of ``q`` ([T, H, D]) into ``out`` (same shape)."""
         raise NotImplementedError
-
-
-def shared_prefix_groups(block_tables: list[list[int]], context_lens: list[int], num_decode: int,
-                         block_size: int) -> list[tuple[int, int, int]]:
-    """Runs of adjacent decode rows holding the same leading blocks: (first, end, prefix_tokens),
-    prefix_tokens < every member's context length (see `cascade_attention.shared_block_runs`)."""
-    limits = [(context_len - 1) // block_size for context_len in context_lens[:num_decode]]
-    return [(first, end, shared * block_size)
-            for first, end, shared in shared_block_runs(block_tables[:num_decode], limits)]
 
 
 def attend_one_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -225,10 +217,9 @@ class NativeBackend(AttentionBackend):
     `decode` is the batched paged decode function for this device. When `shares_prefixes`, it
     takes `groups=` (metadata.decode_groups) and reads a group's shared prefix once for all its
     sequences (cascade attention). `prefill`, when given, attends every prefill chunk over the
-    pool in one call and returns False where it does not apply (then SDPA runs them). Through
-    SDPA, when `cascades` (CPU), short chunks sharing cached prefix blocks attend as a cascade
-    (`cascade_attention`), and a prefill chunk with no cached context attends to its own new K/V
-    without touching the pool.
+    pool in one call and returns False where it does not apply (then SDPA runs them); when
+    `cascades`, it takes `groups=` (metadata.prefill_groups) likewise. Through SDPA, a prefill
+    chunk with no cached context attends to its own new K/V without touching the pool.
     """
 
     name = "native"
@@ -245,17 +236,17 @@ class NativeBackend(AttentionBackend):
             extra = {"groups": meta.decode_groups} if meta.decode_groups is not None else {}
             out[:num_decode] = self.decode(q[:num_decode].contiguous(), k_cache, v_cache, meta.block_tables[:num_decode],
                                            meta.context_lens[:num_decode], scale, **extra)
+        groups = {"groups": meta.prefill_groups} if self.cascades else {}
         if num_decode == len(meta.query_lens) or (self.prefill is not None and self.prefill(
                 q, k_cache, v_cache, meta.block_tables[num_decode:], meta.context_lens[num_decode:],
-                *meta.prefill_queries, scale, out)):
+                *meta.prefill_queries, scale, out, **groups)):
             return
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        attend_groups(q, flat_k, flat_v, meta.cascade_groups, scale, out)
         batch = meta.short_prefill
         if batch is not None:
             attend_prefill_batch(q, flat_k, flat_v, batch, scale, out)
-        done = meta.in_cascade | set(batch.seqs if batch else ())
+        done = set(batch.seqs if batch else ())
         for s in range(num_decode, len(meta.query_lens)):
             if s in done:
                 continue
@@ -317,13 +308,16 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
     if device.type == "cpu":
-        from batchgen.kernels import cpu_attention
+        from batchgen.kernels import amx_attention, cpu_attention
 
         if cpu_attention.is_available():
+            if amx_attention.supports(dtype, amx_attention.HEAD_DIM):
+                return NativeBackend(cpu_attention.paged_decode_attention, prefill=amx_attention.paged_prefill_attention,
+                                     shares_prefixes=True, cascades=True)
             if cpu_attention.prefill_is_preferred(dtype):
                 return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
                                      shares_prefixes=True)
-            return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True, cascades=True)
+            return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True)
     return NativeBackend(_decode_function(device))
 
 

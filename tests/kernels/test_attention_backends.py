@@ -64,17 +64,3 @@ def test_a_lone_short_chunk_is_not_batched(monkeypatch):
     monkeypatch.setattr(attention, "MAX_BATCHED_PREFILL_LEN", 8)
     _, _, _, meta = mixed_step([1, 3, 40], [5, 9, 40], num_decode=1)
     assert meta.short_prefill is None
-
-
-def test_shared_prefix_groups_cut_where_a_row_shares_too_little():
-    # 6 leading blocks shared by rows 0-1; row 2 shares 4 of them (at least MIN_SHARED_BLOCKS and half):
-    # the group keeps 4; row 3 shares 2 (fewer than MIN_SHARED_BLOCKS), row 4 none; rows 4-5 share 5
-    tables = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8], [1, 2, 3, 4, 9, 10, 11], [1, 2, 12, 13, 14, 15, 16],
-              [20, 21, 22, 23, 24, 25, 26], [20, 21, 22, 23, 24, 30, 31]]
-    assert attention.shared_prefix_groups(tables, [7 * 16] * 6, 6, 16) == [(0, 3, 64), (4, 6, 80)]
-    # 11 shared blocks: a row sharing 4 (fewer than half) starts a new run instead of shortening it
-    long_tables = [list(range(12)), list(range(11)) + [50], list(range(4)) + list(range(60, 68))]
-    assert attention.shared_prefix_groups(long_tables, [12 * 16] * 3, 3, 16) == [(0, 2, 176)]
-    # only decode rows are grouped, and a prefix stays shorter than every member's context
-    assert attention.shared_prefix_groups(tables, [7 * 16] * 6, 1, 16) == []
-    assert attention.shared_prefix_groups(tables[:2], [5 * 16 + 1, 7 * 16], 2, 16) == [(0, 2, 80)]

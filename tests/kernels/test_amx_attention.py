@@ -1,0 +1,197 @@
+"""The AMX prefill kernel against the float64 reference: chunks with and without cached context,
+shared-prefix groups, a softmax whose max keeps moving, and what it refuses. Runs where the CPU
+has AMX-BF16 (the kernel exists nowhere else); then also one model step in bfloat16 against the
+float32 step, no further from it than the reference attention backend in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.step import ScheduledSeq, ScheduledStep
+from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels.attention import NativeBackend, ReferenceBackend, make_backend
+from batchgen.sampling_params import SamplingParams
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(not amx_attention.supports(torch.bfloat16, 64),
+                                reason="no AMX-BF16 on this CPU (or no C compiler)")
+HEAD_DIM, SCALE = 64, 0.125
+
+
+def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3, block_size=16, seed=0):
+    """Random bf16 queries and pool: each sequence its own shuffled blocks, except that for each
+    (first, end, tokens) in `shared` members first..end-1 hold member first's blocks for their
+    first `tokens` positions; slots no sequence holds are NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    num_own = [-(-n // block_size) for n in context_lens]
+    order = torch.randperm(sum(num_own) + 2, generator=generator).tolist()
+    tables, used = [], 0
+    for count in num_own:
+        tables.append(order[used:used + count])
+        used += count
+    for first, end, tokens in shared:
+        for member in range(first + 1, end):
+            tables[member][:tokens // block_size] = tables[first][:tokens // block_size]
+    shape = (len(order), block_size, num_kv_heads, HEAD_DIM)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    for table, context in zip(tables, context_lens):
+        for position in range(context):
+            block, offset = table[position // block_size], position % block_size
+            k_cache[block, offset] = torch.randn(num_kv_heads, HEAD_DIM, generator=generator)
+            v_cache[block, offset] = torch.randn(num_kv_heads, HEAD_DIM, generator=generator)
+    width = max(num_own) + 1
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=generator)
+    return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), block_tables
+
+
+def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens):
+    """Each chunk's causal attention over its context, gathered through its block table, in float64."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, HEAD_DIM).double()
+    flat_v = v_cache.reshape(-1, num_kv_heads, HEAD_DIM).double()
+    out, start = torch.empty(q.shape, dtype=torch.float64), 0
+    for s, (context, num_queries) in enumerate(zip(context_lens, query_lens)):
+        positions = torch.arange(context)
+        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
+        keys, values = flat_k[slots].repeat_interleave(group, 1), flat_v[slots].repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,lhd->hql", q[start:start + num_queries].double(), keys) * SCALE
+        visible = positions[None] <= torch.arange(context - num_queries, context)[:, None]
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[start:start + num_queries] = torch.einsum("hql,lhd->qhd", weights, values)
+        start += num_queries
+    return out
+
+
+def attend(q, k_cache, v_cache, block_tables, context_lens, query_lens, groups=None):
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    starts = (lens.cumsum(0) - lens).to(torch.int32)
+    out = torch.full_like(q, float("nan"))
+    group_rows = None if groups is None else torch.tensor(groups, dtype=torch.int32).reshape(-1, 3)
+    assert amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                 torch.tensor(context_lens, dtype=torch.int32), starts, lens, SCALE,
+                                                 out, group_rows)
+    return out
+
+
+def bf16_error(got, expected):
+    """The largest difference, as a multiple of bf16's rounding of the largest output."""
+    return float((got.double() - expected).abs().max() / (expected.abs().max() * 2**-8))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(9, 3, 16), (4, 4, 4), (8, 2, 32)])
+def test_chunks_match_the_reference(num_heads, num_kv_heads, block_size):
+    # a whole 300-token prompt (row blocks and key blocks with tails), a chunk after 70 cached
+    # tokens, a single token after 40, a 16-token chunk, a one-token prompt
+    context_lens, query_lens = [300, 97, 41, 16, 1], [300, 27, 1, 16, 1]
+    inputs = paged_step(context_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        block_size=block_size)
+    got = attend(*inputs, context_lens, query_lens)
+    assert bf16_error(got, reference(*inputs, context_lens, query_lens)) < 2
+
+
+def test_groups_match_the_reference():
+    # a lone chunk; a group of five over a 4-block prefix of 4-token blocks (not a multiple of a
+    # 32-key block): one member a single token, one after 9 cached tokens of its own, one whose rows
+    # cross a 16-row block, one 40 rows long; a lone chunk after 20 cached tokens; a second group
+    own = [3, 9 + 5, 17, 40, 1]
+    context_lens = [23] + [16 + n for n in own] + [50] + [36, 40]
+    query_lens = [23, 3, 5, 17, 40, 1, 30, 4, 8]
+    shared = [(1, 6, 16), (7, 9, 32)]
+    inputs = paged_step(context_lens, query_lens, shared=shared, block_size=4)
+    got = attend(*inputs, context_lens, query_lens, groups=shared)
+    expected = reference(*inputs, context_lens, query_lens)
+    assert bf16_error(got, expected) < 2
+    # the same chunks without groups give the same attention
+    assert bf16_error(attend(*inputs, context_lens, query_lens), expected) < 2
+
+
+def test_a_max_that_keeps_rising_rescales_the_sums():
+    # keys aligned with the query and growing along the context: scores rise by ~74 (log2 units)
+    # from key block to key block, to ~460: far past the kernel's rescale threshold, and past
+    # float32's range unless the sums and accumulators are rescaled as the max moves
+    context, num_queries = 200, 20
+    q, k_cache, v_cache, block_tables = paged_step([context], [num_queries], num_heads=2, num_kv_heads=2)
+    q = torch.ones_like(q)
+    flat_k = k_cache.view(-1, 2, HEAD_DIM)
+    positions = torch.arange(context)
+    slots = block_tables[0, positions // 16].long() * 16 + positions % 16
+    flat_k[slots] = (positions[:, None, None] / 5.0).expand(-1, 2, HEAD_DIM).bfloat16()
+    got = attend(q, k_cache, v_cache, block_tables, [context], [num_queries])
+    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, [context], [num_queries])) < 2
+
+
+@pytest.mark.parametrize("groups, message", [
+    ([(0, 1, 16)], "group"),  # one member
+    ([(0, 2, 32)], "group"),  # member 1 does not hold member 0's second block
+    ([(1, 3, 16)], "group"),  # member 2's queries start inside the prefix
+    ([(1, 3, 16), (0, 2, 16)], "group"),  # out of order
+])
+def test_bad_groups_are_refused(groups, message):
+    context_lens, query_lens = [40, 40, 40], [8, 8, 30]
+    inputs = paged_step(context_lens, query_lens, shared=[(0, 3, 16)])
+    with pytest.raises(ValueError, match=message):
+        attend(*inputs, context_lens, query_lens, groups=groups)
+
+
+def test_what_it_does_not_run_is_left_to_the_caller():
+    q, k_cache, v_cache, block_tables = paged_step([8], [8])
+    lens = torch.tensor([8], dtype=torch.int32)
+    starts = torch.zeros(1, dtype=torch.int32)
+    for args in ((q.float(), k_cache.float(), v_cache.float()), (q[..., :32], k_cache[..., :32], v_cache[..., :32]),
+                 (q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache)):
+        out = torch.empty_like(args[0])
+        assert not amx_attention.paged_prefill_attention(*args, block_tables, lens, starts, lens, SCALE, out)
+    with pytest.raises(ValueError, match="context length"):
+        amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, starts, lens + 1, SCALE,
+                                              torch.empty_like(q))
+
+
+def shared_prefix_step_logits(model, backend=None) -> torch.Tensor:
+    """Logits of a prompt's prefill (its first 64 tokens the others' prefix), then of a step of six
+    prompts that hold those blocks cached, each computing its own tokens (1 to 70)."""
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**23))
+    if backend is not None:
+        runner.backend = backend
+    prefix = [(7 * i) % 500 + 2 for i in range(64)]
+    own_lens = [70, 9, 1, 33, 16, 12]
+    first = Sequence(0, prefix + [3] * 10, SamplingParams(), 0.0)
+    first.block_table = list(range(5))
+    logits = [runner.execute(ScheduledStep([ScheduledSeq(first, len(first))]))]
+    seqs, next_block = [], 5
+    for index, own in enumerate(own_lens):
+        seq = Sequence(index + 1, prefix + [(11 * index + 5 * i) % 500 + 2 for i in range(own)], SamplingParams(), 0.0)
+        num_own = -(-own // 16)
+        seq.block_table = first.block_table[:4] + list(range(next_block, next_block + num_own))
+        seq.num_computed_tokens = len(prefix)
+        next_block += num_own
+        seqs.append(seq)
+    logits.append(runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq) - len(prefix)) for seq in seqs])))
+    return torch.cat(logits).float()
+
+
+def test_bfloat16_cascade_step_is_as_close_to_float32_as_the_reference_backend():
+    assert make_backend("auto", torch.device("cpu"), torch.bfloat16).prefill is amx_attention.paged_prefill_attention
+    model = tiny_model(hidden_size=256)  # head_dim 64
+    expected = shared_prefix_step_logits(model)
+    bf16_model = model.to(torch.bfloat16)
+    reference_error = (shared_prefix_step_logits(bf16_model, ReferenceBackend()) - expected).abs().max()
+    groups_seen = []
+
+    def recording(*args, groups):
+        groups_seen.extend(groups.tolist())
+        return amx_attention.paged_prefill_attention(*args, groups=groups)
+
+    amx_backend = NativeBackend(cpu_attention.paged_decode_attention, prefill=recording, shares_prefixes=True,
+                                cascades=True)
+    error = (shared_prefix_step_logits(bf16_model, amx_backend) - expected).abs().max()
+    assert [0, 5, 64] in groups_seen  # the one-token prompt runs as a decode row
+    # the stated tolerance: at most 1.5x the reference backend's bfloat16 error (that of the model's
+    # bf16 linear layers, ~3% of the logits' range for this model)
+    assert error <= 1.5 * reference_error
