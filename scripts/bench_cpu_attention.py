@@ -12,6 +12,9 @@ Then cascade decode: 64 sequences in 4 groups of 16 that share a 1024-token pref
 blocks) and each hold 64 tokens of their own (shared-system's shape), the decode kernel with
 the engine's shared-prefix groups against without.
 
+Then, where the CPU has AMX-BF16, the AMX kernel (bfloat16) on both: the causal prefills against
+SDPA, the cascade decode against the decode kernel's cascade.
+
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
 
@@ -24,8 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import cpu_attention
-from batchgen.kernels.shared_prefixes import decode_groups
+from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels.shared_prefixes import prefix_groups
 
 NUM_SEQS, CONTEXT_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 1024, 9, 3, 64, 16
 
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<10}{kernel_ms:>12.3f}{torch_ms:>17.3f}{torch_ms / kernel_ms:>9.1f}x{diff.item():>15.2e}")
     compare_prefill(max(3, repeats // 10), scale)
     compare_cascade(repeats, scale)
+    compare_amx(max(3, repeats // 10), scale)
 
 
 def compare_prefill(repeats: int, scale: float) -> None:
@@ -142,8 +146,7 @@ def compare_cascade(repeats: int, scale: float) -> None:
           f"{'cascade ms':>12}{'speedup':>9}{'max abs diff':>14}")
     for dtype in (torch.float32, torch.bfloat16):
         q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(dtype)
-        groups = torch.tensor(decode_groups(block_tables.tolist(), context_lens.tolist(), len(q), BLOCK_SIZE),
-                              dtype=torch.int32)
+        groups = decode_groups(block_tables, context_lens)
         args = (q, k_cache, v_cache, block_tables, context_lens, scale)
         plain_ms = median_ms(cpu_attention.paged_decode_attention, args, repeats)
         cascade_ms = median_ms(lambda: cpu_attention.paged_decode_attention(*args, groups=groups), (), repeats)
@@ -151,6 +154,50 @@ def compare_cascade(repeats: int, scale: float) -> None:
                 - cpu_attention.paged_decode_attention(*args).float()).abs().max()
         print(f"{str(dtype).removeprefix('torch.'):<10}{plain_ms:>10.3f}{cascade_ms:>12.3f}{plain_ms / cascade_ms:>8.2f}x"
               f"{diff.item():>14.2e}")
+
+
+def decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """The engine's shared-prefix groups of these decode rows, int32 [G, 3]."""
+    groups = prefix_groups(block_tables.tolist(), context_lens.tolist(), [1] * len(context_lens), BLOCK_SIZE)
+    return torch.tensor(groups, dtype=torch.int32)
+
+
+def compare_amx(repeats: int, scale: float) -> None:
+    """The AMX kernel (bfloat16): the causal prefills against SDPA, the cascade decode against the
+    decode kernel's cascade."""
+    print(f"\namx kernel, bfloat16\n{'case':<16}{'amx ms':>8}{'other ms':>10}{'speedup':>9}{'max abs diff':>14}")
+    if not amx_attention.supports(torch.bfloat16, HEAD_DIM):
+        print("the AMX kernel does not run here (needs AMX-BF16)")
+        return
+    for num_tokens in (512, 2048):
+        q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).bfloat16()
+        k_cache = torch.randn(num_tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).bfloat16()
+        v_cache, out = torch.randn_like(k_cache), torch.empty_like(q)
+        lens = torch.tensor([num_tokens], dtype=torch.int32)
+        layout = (torch.arange(num_tokens // BLOCK_SIZE, dtype=torch.int32)[None], lens,
+                  torch.tensor([0], dtype=torch.int32), lens)
+        dense = [t.view(num_tokens, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None] for t in (k_cache, v_cache)]
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], *dense, is_causal=True, scale=scale,
+                                                  enable_gqa=True)[0].transpose(0, 1)
+
+        amx_ms = median_ms(lambda: amx_attention.paged_prefill_attention(q, k_cache, v_cache, *layout, scale, out),
+                           (), repeats)
+        report(f"prefill {num_tokens}", amx_ms, median_ms(sdpa, (), repeats), out, sdpa())
+    q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(torch.bfloat16)
+    groups, out = decode_groups(block_tables, context_lens), torch.empty_like(q)
+    rows = torch.arange(len(q), dtype=torch.int32)
+    amx_ms = median_ms(lambda: amx_attention.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, context_lens, rows, torch.ones_like(rows), scale, out, groups), (), repeats)
+    decode_args = (q, k_cache, v_cache, block_tables, context_lens, scale)
+    cascade_ms = median_ms(lambda: cpu_attention.paged_decode_attention(*decode_args, groups=groups), (), repeats)
+    report("cascade decode", amx_ms, cascade_ms, out, cpu_attention.paged_decode_attention(*decode_args))
+
+
+def report(case: str, amx_ms: float, other_ms: float, got: torch.Tensor, expected: torch.Tensor) -> None:
+    diff = (got.float() - expected.float()).abs().max()
+    print(f"{case:<16}{amx_ms:>8.3f}{other_ms:>10.3f}{other_ms / amx_ms:>8.2f}x{diff.item():>14.2e}")
 
 
 if __name__ == "__main__":

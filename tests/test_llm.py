@@ -87,7 +87,7 @@ def test_cascade_decode_equals_transformers_generate(monkeypatch):
     # the decode rows form one group (two tiles of the cascade's first pass)
     from batchgen.engine import model_runner
 
-    groups_seen = recorded(monkeypatch, model_runner, "decode_groups", lambda groups: groups)
+    groups_seen = recorded(monkeypatch, model_runner, "prefix_groups", lambda groups: groups)
     model, prompts, expected = shared_prefix_oracle()
     llm = LLM(model, tokenizer=tiny_tokenizer())
     assert [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)] == expected

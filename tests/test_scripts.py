@@ -161,7 +161,7 @@ def test_cpu_linear_bench_in_bf16_adds_the_kernel_where_it_runs(capsys):
 
 
 def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
-    from batchgen.kernels import cpu_attention
+    from batchgen.kernels import amx_attention, cpu_attention
     if not cpu_attention.is_available():
         pytest.skip("no C compiler for the CPU kernel")
     bench_cpu_attention.main(["--repeats", "1"])
@@ -175,9 +175,16 @@ def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
         bf16 = [float(line.split()[-1]) for line in prefill if line.startswith("bfloat16")]
         assert len(fp32) == len(bf16) == 2  # 512 and 2048 tokens
         assert max(fp32) < 1e-4 and max(bf16) < 5e-2  # the kernel's largest difference from SDPA
-    cascade = lines[cascade_header + 1:]
+    amx_header = lines.index("amx kernel, bfloat16")
+    cascade = lines[cascade_header + 1:amx_header - 1]  # a blank line before the header
     assert [line.split()[0] for line in cascade] == ["float32", "bfloat16"]
     assert float(cascade[0].split()[-1]) < 1e-5 and float(cascade[1].split()[-1]) < 5e-2  # cascade against plain
+    amx = lines[amx_header + 2:]
+    if amx_attention.supports(torch.bfloat16, bench_cpu_attention.HEAD_DIM):
+        assert [line.rsplit(None, 4)[0] for line in amx] == ["prefill 512", "prefill 2048", "cascade decode"]
+        assert all(float(line.split()[-1]) < 5e-2 for line in amx)  # the AMX kernel's largest difference
+    else:
+        assert amx == ["the AMX kernel does not run here (needs AMX-BF16)"]
 
 
 def test_cascade_bench_inputs_share_exactly_each_groups_prefix_blocks():

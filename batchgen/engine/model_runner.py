@@ -27,7 +27,7 @@ from batchgen.engine.step import ScheduledStep
 from batchgen.models import kv_bytes_per_token, kv_cache_shape
 from batchgen.kernels.attention import AttentionMetadata, AttentionStep, make_backend, register
 from batchgen.kernels.cpu_linear import PackedLinears
-from batchgen.kernels.shared_prefixes import decode_groups
+from batchgen.kernels.shared_prefixes import prefix_groups
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 CUDA_KV_CACHE_FRACTION = 0.85
@@ -61,7 +61,7 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
-        self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype)
+        self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
         model.set_attn_implementation(register())
         self.fused = FusedDecoder.build(model) if config.fused_step else None
         self.linears = PackedLinears.pack(model) if config.pack_linear_weights and self.fused is None else None
@@ -155,10 +155,10 @@ class ModelRunner:
             block_tables_list=block_tables,
             num_decode_seqs=num_decode,
             block_size=self.block_size,
-            is_cascading=self.backend.cascades,
         )
         if self.backend.shares_prefixes:
-            groups = decode_groups(block_tables, context_lens, num_decode, self.block_size)
+            groups = prefix_groups(block_tables[:num_decode], context_lens[:num_decode], [1] * num_decode,
+                                   self.block_size)
             if groups:
                 metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
         return (torch.tensor(token_ids, device=device), positions.to(device), metadata,

@@ -16,16 +16,16 @@ Layout invariants (`AttentionMetadata`):
   block table so that sequences sharing prefix blocks are adjacent.
 - `decode_groups` rows (first, end, prefix_tokens): decode sequences first..end-1 hold the same
   blocks for their first prefix_tokens tokens (fewer than each one's context); set only for a
-  backend that `shares_prefixes`. `prefill_groups` are the same for prefill chunks (every query
-  after the prefix), built only for a backend that `cascades` (`shared_prefixes`).
+  backend that `shares_prefixes` (`shared_prefixes`).
 
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
 others; "native" batches decode rows through one kernel call that reads the pool in place
 (compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
-runs prefill chunks through a C prefill kernel on CPU where one applies: on a CPU with AMX-BF16
-in bfloat16 the AMX kernel (`amx_attention`, head_dim 64), where chunks sharing cached prefix
-blocks attend it together; else the AVX-512 kernel (float32 / bfloat16); else
-`scaled_dot_product_attention`.
+runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512, float32 /
+bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
+head_dim 64, "native" is `AmxBackend`: every prefill chunk, and every decode row that shares
+cached prefix blocks with others, through the AMX kernel (`amx_attention`), the other decode
+rows through the decode kernel.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels.amx_attention import CascadePlan
 from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
-from batchgen.kernels.shared_prefixes import prefill_groups
 
 ATTENTION_NAME = "batchgen"
 MAX_BATCHED_PREFILL_LEN = 64  # prefill chunks of at most this many tokens attend in one padded call
@@ -58,7 +59,6 @@ class AttentionMetadata:
     num_decode_seqs: int
     block_size: int
     decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefixes.decode_groups
-    is_cascading: bool = False  # prefill chunks sharing cached prefix blocks attend as `prefill_groups`
 
     @cached_property
     def prefill_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,15 +69,10 @@ class AttentionMetadata:
                 torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
-    def prefill_groups(self) -> torch.Tensor | None:
-        """Where `is_cascading`, the prefill chunks that share cached prefix blocks as int32 [G, 3]
-        rows (first, end, prefix_tokens), numbered from the first chunk (`shared_prefixes`); built
-        at the first layer's call, shared by every layer."""
-        if not self.is_cascading:
-            return None
-        groups = prefill_groups(self.block_tables_list, self.context_lens_list, self.query_lens,
-                                self.num_decode_seqs, self.block_size)
-        return torch.tensor(groups, dtype=torch.int32).reshape(-1, 3)
+    def cascade_plan(self) -> CascadePlan:
+        """Which rows `AmxBackend` attends through which kernel; built at the first layer's call,
+        shared by every layer."""
+        return amx_attention.cascade_plan(self)
 
     @cached_property
     def short_prefill(self) -> PrefillBatch | None:
@@ -113,7 +108,6 @@ class AttentionMetadata:
             num_decode_seqs=self.num_decode_seqs,
             block_size=self.block_size,
             decode_groups=self.decode_groups,
-            is_cascading=self.is_cascading,
         ), rows_tensor
 
 
@@ -132,7 +126,6 @@ class AttentionBackend:
 
     name = "base"
     shares_prefixes = False  # whether forward() uses metadata.decode_groups
-    cascades = False  # whether forward() uses metadata.prefill_groups (the step sets is_cascading)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -217,18 +210,17 @@ class NativeBackend(AttentionBackend):
     `decode` is the batched paged decode function for this device. When `shares_prefixes`, it
     takes `groups=` (metadata.decode_groups) and reads a group's shared prefix once for all its
     sequences (cascade attention). `prefill`, when given, attends every prefill chunk over the
-    pool in one call and returns False where it does not apply (then SDPA runs them); when
-    `cascades`, it takes `groups=` (metadata.prefill_groups) likewise. Through SDPA, a prefill
-    chunk with no cached context attends to its own new K/V without touching the pool.
+    pool in one call and returns False where it does not apply (then SDPA runs them). Through
+    SDPA, a prefill chunk with no cached context attends to its own new K/V without touching
+    the pool.
     """
 
     name = "native"
 
-    def __init__(self, decode, prefill=None, shares_prefixes: bool = False, cascades: bool = False):
+    def __init__(self, decode, prefill=None, shares_prefixes: bool = False):
         self.decode = decode
         self.prefill = prefill
         self.shares_prefixes = shares_prefixes
-        self.cascades = cascades
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         num_decode = meta.num_decode_seqs
@@ -236,10 +228,9 @@ class NativeBackend(AttentionBackend):
             extra = {"groups": meta.decode_groups} if meta.decode_groups is not None else {}
             out[:num_decode] = self.decode(q[:num_decode].contiguous(), k_cache, v_cache, meta.block_tables[:num_decode],
                                            meta.context_lens[:num_decode], scale, **extra)
-        groups = {"groups": meta.prefill_groups} if self.cascades else {}
         if num_decode == len(meta.query_lens) or (self.prefill is not None and self.prefill(
                 q, k_cache, v_cache, meta.block_tables[num_decode:], meta.context_lens[num_decode:],
-                *meta.prefill_queries, scale, out, **groups)):
+                *meta.prefill_queries, scale, out)):
             return
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
@@ -300,24 +291,39 @@ def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out[:, :, 0, :]
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+class AmxBackend(AttentionBackend):
+    """On a CPU with AMX-BF16 (bfloat16, head_dim 64): the step's rows as `cascade_plan` splits
+    them, decode rows sharing no prefix through the decode kernel, the rest through the AMX kernel
+    (groups of rows sharing cached prefix blocks attend that prefix together)."""
+
+    name = "native"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
+        plan = meta.cascade_plan
+        rows = plan.lone_decode
+        if plan.num_lone_decode:
+            out[rows] = cpu_attention.paged_decode_attention(
+                q[rows].contiguous(), k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows], scale)
+        if len(plan.query_lens) and not amx_attention.paged_prefill_attention(
+                q, k_cache, v_cache, plan.block_tables, plan.context_lens, plan.query_starts, plan.query_lens, scale,
+                out, plan.groups):
+            raise RuntimeError("the AMX attention kernel refused the step: q and out must be contiguous")
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
     """"reference", "native", or "auto" (native with the device's fastest decode and prefill
-    paths for `dtype`)."""
+    paths for `dtype` and `head_dim`)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
-    if device.type == "cpu":
-        from batchgen.kernels import amx_attention, cpu_attention
-
-        if cpu_attention.is_available():
-            if amx_attention.supports(dtype, amx_attention.HEAD_DIM):
-                return NativeBackend(cpu_attention.paged_decode_attention, prefill=amx_attention.paged_prefill_attention,
-                                     shares_prefixes=True, cascades=True)
-            if cpu_attention.prefill_is_preferred(dtype):
-                return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
-                                     shares_prefixes=True)
-            return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True)
+    if device.type == "cpu" and cpu_attention.is_available():
+        if amx_attention.supports(dtype, head_dim):
+            return AmxBackend()
+        if cpu_attention.prefill_is_preferred(dtype):
+            return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
+                                 shares_prefixes=True)
+        return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True)
     return NativeBackend(_decode_function(device))
 
 

@@ -1,11 +1,12 @@
 """Runs of a step's sequences that hold the same leading blocks of the paged pool: the decode
-kernel's shared-prefix groups, and the AMX prefill kernel's. A group's prefix is attended once
-for all its members (cascade attention); the result is the same attention.
+kernel's shared-prefix groups (decode rows), and the AMX kernel's (decode rows and prefill chunks).
+A group's prefix is attended once for all its members (cascade attention); the result is the
+same attention.
 
 Invariants:
 - A group is adjacent rows (at least two) holding the same first `shared` blocks, at least
-  MIN_SHARED_BLOCKS of them; row i shares at most its limit: for decode rows, fewer tokens than
-  its context; for prefill chunks, no query of the chunk (every query comes after the prefix).
+  MIN_SHARED_BLOCKS of them, none holding a query of its row: every member's queries come
+  after the prefix.
 - A run is cut where the next row shares fewer than half the run's blocks, so a long common
   prefix is not shortened to a short one.
 """
@@ -40,20 +41,10 @@ def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     return length
 
 
-def decode_groups(block_tables: list[list[int]], context_lens: list[int], num_decode: int,
+def prefix_groups(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
                   block_size: int) -> list[tuple[int, int, int]]:
-    """Groups of the decode rows (the first `num_decode`): (first, end, prefix_tokens),
-    prefix_tokens < every member's context length."""
-    limits = [(context_len - 1) // block_size for context_len in context_lens[:num_decode]]
-    return [(first, end, shared * block_size)
-            for first, end, shared in shared_block_runs(block_tables[:num_decode], limits)]
-
-
-def prefill_groups(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], num_decode: int,
-                   block_size: int) -> list[tuple[int, int, int]]:
-    """Groups of the prefill chunks (the rows after the first `num_decode`), numbered from the
-    first chunk: (first, end, prefix_tokens), prefix_tokens at or before every member's first query."""
-    limits = [(context_len - query_len) // block_size
-              for context_len, query_len in zip(context_lens[num_decode:], query_lens[num_decode:])]
-    return [(first, end, shared * block_size)
-            for first, end, shared in shared_block_runs(block_tables[num_decode:], limits)]
+    """Groups among these rows (each a sequence's block table, context length and query count):
+    (first, end, prefix_tokens), prefix_tokens at or before every member's first query (for a
+    decode row, one query: fewer than its context)."""
+    limits = [(context_len - query_len) // block_size for context_len, query_len in zip(context_lens, query_lens)]
+    return [(first, end, shared * block_size) for first, end, shared in shared_block_runs(block_tables, limits)]

@@ -12,8 +12,8 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import amx_attention, cpu_attention
-from batchgen.kernels.attention import NativeBackend, ReferenceBackend, make_backend
+from batchgen.kernels import amx_attention
+from batchgen.kernels.attention import AmxBackend, ReferenceBackend, make_backend
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import tiny_model
 
@@ -112,6 +112,21 @@ def test_groups_match_the_reference():
     assert bf16_error(attend(*inputs, context_lens, query_lens), expected) < 2
 
 
+def test_a_groups_rows_need_not_be_adjacent_and_other_rows_are_left_alone():
+    # two decode rows and a chunk in one group, a row of some other sequence between them
+    context_lens, query_lens = [40, 37, 50], [1, 1, 10]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, query_lens, shared=[(0, 3, 32)])
+    gapped = torch.cat([q[:1], torch.zeros_like(q[:1]), q[1:]])  # row 1 is no chunk's
+    out = torch.full_like(gapped, float("nan"))
+    assert amx_attention.paged_prefill_attention(
+        gapped, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32),
+        torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor(query_lens, dtype=torch.int32), SCALE, out,
+        torch.tensor([[0, 3, 32]], dtype=torch.int32))
+    assert out[1].isnan().all()
+    expected = reference(q, k_cache, v_cache, block_tables, context_lens, query_lens)
+    assert bf16_error(torch.cat([out[:1], out[2:]]), expected) < 2
+
+
 def test_a_max_that_keeps_rising_rescales_the_sums():
     # keys aligned with the query and growing along the context: scores rise by ~74 (log2 units)
     # from key block to key block, to ~460: far past the kernel's rescale threshold, and past
@@ -154,44 +169,49 @@ def test_what_it_does_not_run_is_left_to_the_caller():
 
 
 def shared_prefix_step_logits(model, backend=None) -> torch.Tensor:
-    """Logits of a prompt's prefill (its first 64 tokens the others' prefix), then of a step of six
-    prompts that hold those blocks cached, each computing its own tokens (1 to 70)."""
+    """Logits of a prompt's prefill (its first 64 tokens the others' prefix); of a step of six
+    prompts that hold those blocks cached, each computing its own tokens (1 to 70); then of a
+    decode step of all seven."""
     runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**23))
     if backend is not None:
         runner.backend = backend
     prefix = [(7 * i) % 500 + 2 for i in range(64)]
     own_lens = [70, 9, 1, 33, 16, 12]
     first = Sequence(0, prefix + [3] * 10, SamplingParams(), 0.0)
-    first.block_table = list(range(5))
+    first.block_table = list(range(6))
     logits = [runner.execute(ScheduledStep([ScheduledSeq(first, len(first))]))]
-    seqs, next_block = [], 5
+    seqs, next_block = [first], 6
     for index, own in enumerate(own_lens):
         seq = Sequence(index + 1, prefix + [(11 * index + 5 * i) % 500 + 2 for i in range(own)], SamplingParams(), 0.0)
-        num_own = -(-own // 16)
+        num_own = own // 16 + 1
         seq.block_table = first.block_table[:4] + list(range(next_block, next_block + num_own))
         seq.num_computed_tokens = len(prefix)
         next_block += num_own
         seqs.append(seq)
-    logits.append(runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq) - len(prefix)) for seq in seqs])))
+    logits.append(runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq) - len(prefix)) for seq in seqs[1:]])))
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq)
+        seq.token_ids.append(11)
+    logits.append(runner.execute(ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs])))
     return torch.cat(logits).float()
 
 
-def test_bfloat16_cascade_step_is_as_close_to_float32_as_the_reference_backend():
-    assert make_backend("auto", torch.device("cpu"), torch.bfloat16).prefill is amx_attention.paged_prefill_attention
+def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend(monkeypatch):
+    assert isinstance(make_backend("auto", torch.device("cpu"), torch.bfloat16, HEAD_DIM), AmxBackend)
     model = tiny_model(hidden_size=256)  # head_dim 64
     expected = shared_prefix_step_logits(model)
     bf16_model = model.to(torch.bfloat16)
     reference_error = (shared_prefix_step_logits(bf16_model, ReferenceBackend()) - expected).abs().max()
-    groups_seen = []
+    groups_seen, original = [], amx_attention.paged_prefill_attention
 
-    def recording(*args, groups):
-        groups_seen.extend(groups.tolist())
-        return amx_attention.paged_prefill_attention(*args, groups=groups)
+    def recording(*args):
+        groups_seen.extend(args[-1].tolist())
+        return original(*args)
 
-    amx_backend = NativeBackend(cpu_attention.paged_decode_attention, prefill=recording, shares_prefixes=True,
-                                cascades=True)
-    error = (shared_prefix_step_logits(bf16_model, amx_backend) - expected).abs().max()
-    assert [0, 5, 64] in groups_seen  # the one-token prompt runs as a decode row
+    monkeypatch.setattr(amx_attention, "paged_prefill_attention", recording)
+    error = (shared_prefix_step_logits(bf16_model) - expected).abs().max()
+    # the second step: the one-token prompt (a decode row) and the five chunks; the third: all seven decode rows
+    assert [0, 6, 64] in groups_seen and [0, 7, 64] in groups_seen
     # the stated tolerance: at most 1.5x the reference backend's bfloat16 error (that of the model's
     # bf16 linear layers, ~3% of the logits' range for this model)
     assert error <= 1.5 * reference_error

@@ -10,19 +10,22 @@
  * h / (num_heads / num_kv_heads).
  *
  * Units and segments. A group (first, end, prefix) is adjacent sequences whose contexts hold
- * the same blocks for their first `prefix` positions and whose queries all come after them:
- * their rows are one unit, and that prefix one key segment which every row of the unit sees.
+ * the same blocks for their first `prefix` positions and whose queries all come after them
+ * (decode rows among them: one query each): their rows, member by member, are one unit, and that
+ * prefix one key segment which every row of the unit sees.
  * Any other sequence is a unit of its own with no prefix. Each member's positions past the
  * prefix are its own segment, which its rows alone see, causally.
  *
- * Staging. Before any score, every (unit, kv head)'s segments are copied once from the pool
- * into tile order, in key blocks of 32: K as the B operands of the score product (per 16 keys
- * and 32 dims a tile of 16 dim pairs x 16 keys, a transpose in 32-bit pairs), then V as the B
- * operands of the value product (per 16 dims a tile of 16 key pairs x 16 dims, the two keys'
- * values side by side). Keys past a segment's end are zero and masked.
- *
- * Work. An item is (unit, query head, up to ITEM_BLOCKS row blocks of 16 rows), costliest
- * first. A row block keeps its 16 x 64 output in four float32 accumulator tiles across all its
+ * Work. An item is (unit, kv head, up to ITEM_BLOCKS row blocks of 16 rows), costliest first.
+ * It stages the keys its rows see (the prefix, and the own positions of the members whose rows
+ * it holds, up to its last row's) from the pool into the thread's buffer in tile order, in key
+ * blocks of 32: K as the B operands of the score product (per 16 keys and 32 dims a tile of 16
+ * dim pairs x 16 keys, a transpose in 32-bit pairs), then V as the B operands of the value
+ * product (per 16 dims a tile of 16 key pairs x 16 dims, the two keys' values side by side);
+ * keys past a segment's end are zero and masked. Then every query head of the kv head attends
+ * them, row block by row block, while they are in the core's cache (staged for the whole step
+ * first, a step of 64 grouped decode rows took 1.7 ms a layer, its staging past the cache).
+ * A row block keeps its 16 x 64 output in four float32 accumulator tiles across all its
  * key blocks; per key block: two 16 x 16 score tiles, the softmax in AVX-512 over the stored
  * scores, then one product of the probabilities (bf16) with the four V tiles.
  *
@@ -73,16 +76,25 @@ typedef struct {
     uint16_t *out;
     const uint16_t *k_cache, *v_cache;
     const int32_t *block_tables, *context_lens, *query_starts, *query_lens;
+    int64_t *unit_rows; /* [num_seqs] each sequence's first row among its unit's rows */
     int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
     float scale_log2; /* the softmax scale times log2(e) */
 } Problem;
 
 typedef struct {
     int first, end, prefix;   /* member sequences first .. end - 1, sharing positions [0, prefix) */
-    int64_t num_rows;         /* the members' query rows, packed from query_starts[first] on */
-    int64_t staged;           /* byte offset of its kv head 0 staging; kv head h at + h * head_bytes */
-    int64_t head_bytes;
+    int64_t num_rows;         /* the members' query rows */
 } Unit;
+
+/* An item's staged keys: the prefix, then the own keys of members first .. end - 1 (those whose
+ * rows meet the item's) as far as the item's rows see them. */
+typedef struct {
+    int first, end;
+    int *own_keys;            /* [end - first] own keys staged */
+    int64_t *own_offsets;     /* [end - first] byte offsets of their segments */
+    char *keys;               /* the tile-order buffer */
+    int64_t capacity;         /* its bytes */
+} Staged;
 
 /* A row block's state across its key blocks. */
 typedef struct {
@@ -195,26 +207,58 @@ static int key_blocks(int n) { return (n + BLOCK_KEYS - 1) / BLOCK_KEYS; }
 /* The length of member `seq`'s own segment (its positions from the unit's prefix on). */
 static int own_length(const Problem *p, const Unit *u, int seq) { return p->context_lens[seq] - u->prefix; }
 
-/* Every segment of unit `u` for `kv_head`: the prefix, then each member's own positions. */
-static int stage_unit(const Problem *p, const Unit *u, int kv_head, char *staging) {
-    char *dst = staging + u->staged + kv_head * u->head_bytes;
-    const int32_t *first_table = p->block_tables + (int64_t)u->first * p->max_blocks;
-    int code = stage_segment(p, first_table, 0, u->prefix, kv_head, dst);
-    dst += (int64_t)key_blocks(u->prefix) * KEY_BLOCK_BYTES;
-    for (int seq = u->first; seq < u->end && code == STATUS_OK; seq++) {
-        int length = own_length(p, u, seq);
-        code = stage_segment(p, p->block_tables + (int64_t)seq * p->max_blocks, u->prefix, length, kv_head, dst);
-        dst += (int64_t)key_blocks(length) * KEY_BLOCK_BYTES;
+/* The own keys member `seq` of unit `u` sees from its rows up to unit row `end_row` (exclusive). */
+static int own_keys_seen(const Problem *p, const Unit *u, int seq, int64_t end_row) {
+    int64_t past = p->unit_rows[seq] + p->query_lens[seq] - end_row; /* its rows past end_row */
+    return own_length(p, u, seq) - (past > 0 ? (int)past : 0);
+}
+
+/* The keys seen by unit rows first_row .. end_row - 1 of unit `u` for `kv_head`, into `staged`
+ * (its buffer grown as needed). Returns a STATUS_* code. */
+static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t first_row, int64_t end_row,
+                      Staged *staged) {
+    staged->first = u->end, staged->end = u->first;
+    for (int seq = u->first; seq < u->end; seq++)
+        if (p->unit_rows[seq] < end_row && p->unit_rows[seq] + p->query_lens[seq] > first_row) {
+            staged->first = seq < staged->first ? seq : staged->first;
+            staged->end = seq + 1;
+        }
+    int64_t bytes = (int64_t)key_blocks(u->prefix) * KEY_BLOCK_BYTES;
+    for (int seq = staged->first; seq < staged->end; seq++) {
+        staged->own_offsets[seq - staged->first] = bytes;
+        staged->own_keys[seq - staged->first] = own_keys_seen(p, u, seq, end_row);
+        bytes += (int64_t)key_blocks(staged->own_keys[seq - staged->first]) * KEY_BLOCK_BYTES;
     }
+    if (bytes > staged->capacity) {
+        free(staged->keys);
+        staged->keys = (char *)aligned_alloc(64, (size_t)bytes);
+        staged->capacity = staged->keys ? bytes : 0;
+        if (staged->keys == NULL) return STATUS_NO_MEMORY;
+    }
+    int code = stage_segment(p, p->block_tables + (int64_t)u->first * p->max_blocks, 0, u->prefix, kv_head,
+                             staged->keys);
+    for (int seq = staged->first; seq < staged->end && code == STATUS_OK; seq++)
+        code = stage_segment(p, p->block_tables + (int64_t)seq * p->max_blocks, u->prefix,
+                             staged->own_keys[seq - staged->first], kv_head,
+                             staged->keys + staged->own_offsets[seq - staged->first]);
     return code;
 }
 
 /* ---- one row block ---- */
 
-static void load_queries(const Problem *p, int64_t first_row, int rows, int head, BlockState *b) {
+/* The packed rows of unit rows first .. first + rows - 1 (rows <= 16) of unit `u`. */
+static void packed_rows(const Problem *p, const Unit *u, int64_t first, int rows, int64_t *packed) {
+    for (int seq = u->first; seq < u->end; seq++) {
+        int64_t start = p->unit_rows[seq], end = start + p->query_lens[seq];
+        for (int64_t row = start > first ? start : first; row < end && row < first + rows; row++)
+            packed[row - first] = p->query_starts[seq] + (row - start);
+    }
+}
+
+static void load_queries(const Problem *p, const int64_t *packed, int rows, int head, BlockState *b) {
     for (int r = 0; r < BLOCK_ROWS; r++) {
         uint16_t *dst = b->q + r * HEAD_DIM;
-        if (r < rows) memcpy(dst, p->q + ((first_row + r) * p->num_heads + head) * HEAD_DIM, 2 * HEAD_DIM);
+        if (r < rows) memcpy(dst, p->q + (packed[r] * p->num_heads + head) * HEAD_DIM, 2 * HEAD_DIM);
         else memset(dst, 0, 2 * HEAD_DIM);
     }
     _tile_loadd(Q_LOW, b->q, 2 * HEAD_DIM);
@@ -334,52 +378,50 @@ static void attend_segment(const char *segment, const int *limit, float scale_lo
 }
 
 /* Each real row's output: its accumulator row over its sum, as bf16. */
-static void store_rows(const Problem *p, int64_t first_row, int rows, int head, BlockState *b) {
+static void store_rows(const Problem *p, const int64_t *packed, int rows, int head, BlockState *b) {
     store_accumulators(b);
     for (int r = 0; r < rows; r++) {
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r)));
-        uint16_t *dst = p->out + ((first_row + r) * p->num_heads + head) * HEAD_DIM;
+        uint16_t *dst = p->out + (packed[r] * p->num_heads + head) * HEAD_DIM;
         for (int j = 0; j < HEAD_DIM; j += 16)
             _mm256_storeu_si256((__m256i *)(dst + j),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(b->acc + r * HEAD_DIM + j), inverse)));
     }
 }
 
-/* Unit rows first .. first + rows - 1 (rows <= 16) of unit `u`, query head `head`. */
-static void attend_block(const Problem *p, const Unit *u, const char *staging, int head, int64_t first, int rows,
+/* Unit rows first .. first + rows - 1 (rows <= 16) of unit `u`, query head `head`, over the
+ * keys `staged` for them. */
+static void attend_block(const Problem *p, const Unit *u, const Staged *staged, int head, int64_t first, int rows,
                          BlockState *b) {
-    int64_t unit_row = p->query_starts[u->first];
-    const char *segment = staging + u->staged + (int64_t)(head / (p->num_heads / p->num_kv_heads)) * u->head_bytes;
     int limit[BLOCK_ROWS];
-    load_queries(p, unit_row + first, rows, head, b);
+    int64_t packed[BLOCK_ROWS];
+    packed_rows(p, u, first, rows, packed);
+    load_queries(p, packed, rows, head, b);
     reset_state(b);
     if (u->prefix > 0) {
         for (int r = 0; r < BLOCK_ROWS; r++) limit[r] = r < rows ? u->prefix : 0;
-        attend_segment(segment, limit, p->scale_log2, b);
+        attend_segment(staged->keys, limit, p->scale_log2, b);
     }
-    segment += (int64_t)key_blocks(u->prefix) * KEY_BLOCK_BYTES;
-    for (int seq = u->first; seq < u->end; seq++) {
+    for (int seq = staged->first; seq < staged->end; seq++) {
         int length = own_length(p, u, seq);
-        int64_t member_first = p->query_starts[seq] - unit_row, member_end = member_first + p->query_lens[seq];
-        if (member_first < first + rows && member_end > first) {
-            /* row i of the member sits at own position length - query_len + i */
-            for (int r = 0; r < BLOCK_ROWS; r++) {
-                int64_t row = first + r;
-                limit[r] = r < rows && row >= member_first && row < member_end
-                               ? (int)(length - p->query_lens[seq] + (row - member_first) + 1)
-                               : 0;
-            }
-            attend_segment(segment, limit, p->scale_log2, b);
+        int64_t member_first = p->unit_rows[seq], member_end = member_first + p->query_lens[seq];
+        if (member_first >= first + rows || member_end <= first) continue;
+        /* row i of the member sits at own position length - query_len + i */
+        for (int r = 0; r < BLOCK_ROWS; r++) {
+            int64_t row = first + r;
+            limit[r] = r < rows && row >= member_first && row < member_end
+                           ? (int)(length - p->query_lens[seq] + (row - member_first) + 1)
+                           : 0;
         }
-        segment += (int64_t)key_blocks(length) * KEY_BLOCK_BYTES;
+        attend_segment(staged->keys + staged->own_offsets[seq - staged->first], limit, p->scale_log2, b);
     }
-    store_rows(p, unit_row + first, rows, head, b);
+    store_rows(p, packed, rows, head, b);
 }
 
 /* ---- planning ---- */
 
 typedef struct {
-    int unit, head, first_block;
+    int unit, kv_head, first_block;
     int64_t cost;
 } Item;
 
@@ -388,102 +430,101 @@ static int by_cost_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Checks the sequences and groups and lays out the units (as many as returned, into `units`)
- * and their staging (*staging_bytes). Returns the unit count, or -STATUS_* when an input is refused. */
-static int plan_units(const Problem *p, int num_seqs, const int32_t *groups, int num_groups, Unit *units,
-                      int64_t *staging_bytes) {
+/* Checks the sequences and groups and lays out the units (as many as returned, into `units`),
+ * each sequence's first row among its unit's rows into p->unit_rows. Returns the unit count, or
+ * -STATUS_* when an input is refused. */
+static int plan_units(Problem *p, int num_seqs, const int32_t *groups, int num_groups, Unit *units) {
     for (int seq = 0; seq < num_seqs; seq++)
         if (p->query_lens[seq] < 1 || p->query_lens[seq] > p->context_lens[seq] ||
             p->context_lens[seq] > (int64_t)p->max_blocks * p->block_size)
             return -STATUS_BAD_CONTEXT_LEN;
     int num_units = 0, g = 0;
-    *staging_bytes = 0;
     for (int seq = 0; seq < num_seqs;) {
-        Unit u = {seq, seq + 1, 0, 0, 0, 0};
+        Unit u = {seq, seq + 1, 0, 0};
         if (g < num_groups && groups[3 * g] == seq) {
             u.end = groups[3 * g + 1], u.prefix = groups[3 * g + 2], g++;
             if (u.end > num_seqs || u.end - u.first < 2 || u.prefix < 1) return -STATUS_BAD_GROUP;
         }
-        int64_t blocks = key_blocks(u.prefix);
         for (int member = u.first; member < u.end; member++) {
             const int32_t *table = p->block_tables + (int64_t)member * p->max_blocks;
             int own = own_length(p, &u, member);
-            if (own < p->query_lens[member] || p->query_starts[member] != p->query_starts[u.first] + u.num_rows ||
-                memcmp(table, p->block_tables + (int64_t)u.first * p->max_blocks,
+            if (own < p->query_lens[member] || memcmp(table, p->block_tables + (int64_t)u.first * p->max_blocks,
                        sizeof(int32_t) * ((u.prefix + p->block_size - 1) / p->block_size)))
                 return -STATUS_BAD_GROUP;
+            p->unit_rows[member] = u.num_rows;
             u.num_rows += p->query_lens[member];
-            blocks += key_blocks(own);
         }
-        u.head_bytes = blocks * KEY_BLOCK_BYTES, u.staged = *staging_bytes;
-        *staging_bytes += u.head_bytes * p->num_kv_heads;
         units[num_units++] = u;
         seq = u.end;
     }
     return g == num_groups ? num_units : -STATUS_BAD_GROUP; /* a group out of order or overlapping */
 }
 
-/* Work items of every unit, costliest first: (unit, query head, first row block); returns their count. */
+/* Work items of every unit, costliest first: (unit, kv head, first row block); returns their count. */
 static int plan_items(const Problem *p, const Unit *units, int num_units, Item *items) {
     int num_items = 0;
     for (int u = 0; u < num_units; u++) {
         int64_t blocks = (units[u].num_rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
-        int64_t keys = units[u].prefix + (p->context_lens[units[u].end - 1] - units[u].prefix);
+        int64_t keys = p->context_lens[units[u].end - 1]; /* the last row's */
         for (int64_t block = 0; block < blocks; block += ITEM_BLOCKS)
-            for (int head = 0; head < p->num_heads; head++) {
+            for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
                 /* its rows times the keys its last row sees, at most */
                 int64_t rows = blocks - block < ITEM_BLOCKS ? blocks - block : ITEM_BLOCKS;
                 int64_t last = (block + rows) * BLOCK_ROWS;
                 int64_t seen = keys - (units[u].num_rows > last ? units[u].num_rows - last : 0);
-                items[num_items++] = (Item){u, head, (int)block, rows * (seen > 1 ? seen : 1)};
+                items[num_items++] = (Item){u, kv_head, (int)block, rows * (seen > 1 ? seen : 1)};
             }
     }
     qsort(items, num_items, sizeof(Item), by_cost_descending);
     return num_items;
 }
 
-static int item_count(const Unit *units, int num_units, int num_heads) {
+static int item_count(const Unit *units, int num_units, int num_kv_heads) {
     int count = 0;
     for (int u = 0; u < num_units; u++)
-        count += (int)((units[u].num_rows + BLOCK_ROWS * ITEM_BLOCKS - 1) / (BLOCK_ROWS * ITEM_BLOCKS)) * num_heads;
+        count += (int)((units[u].num_rows + BLOCK_ROWS * ITEM_BLOCKS - 1) / (BLOCK_ROWS * ITEM_BLOCKS)) * num_kv_heads;
     return count;
 }
 
-/* Stage every unit, then run every item, on num_threads threads. */
-static int run(const Problem *p, const Unit *units, int num_units, const Item *items, int num_items, char *staging,
+/* One item: stage its keys, then every query head of its kv head attends them, row block by row block. */
+static int run_item(const Problem *p, const Unit *u, const Item *item, Staged *staged, BlockState *b) {
+    int64_t first_row = (int64_t)item->first_block * BLOCK_ROWS, end_row = first_row + ITEM_BLOCKS * BLOCK_ROWS;
+    end_row = end_row < u->num_rows ? end_row : u->num_rows;
+    int code = stage_item(p, u, item->kv_head, first_row, end_row, staged);
+    if (code != STATUS_OK) return code;
+    int group = p->num_heads / p->num_kv_heads;
+    for (int head = item->kv_head * group; head < (item->kv_head + 1) * group; head++)
+        for (int64_t first = first_row; first < end_row; first += BLOCK_ROWS)
+            attend_block(p, u, staged, head, first, end_row - first < BLOCK_ROWS ? (int)(end_row - first) : BLOCK_ROWS,
+                         b);
+    return STATUS_OK;
+}
+
+/* Every item, on num_threads threads, each with its own staging buffer and block state. */
+static int run(const Problem *p, const Unit *units, const Item *items, int num_items, int max_members,
                int num_threads) {
     int status = STATUS_OK;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
+        Staged staged = {0, 0, (int *)malloc(sizeof(int) * (size_t)max_members),
+                         (int64_t *)malloc(sizeof(int64_t) * (size_t)max_members), NULL, 0};
+        BlockState *b = (BlockState *)aligned_alloc(64, sizeof(BlockState));
+        if (b == NULL || staged.own_keys == NULL || staged.own_offsets == NULL) {
+#pragma omp atomic write
+            status = STATUS_NO_MEMORY;
+        }
+        configure_tiles();
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < num_units * p->num_kv_heads; i++) {
-            int code = stage_unit(p, &units[i / p->num_kv_heads], i % p->num_kv_heads, staging);
+        for (int i = 0; i < num_items; i++) {
+            int code = b && staged.own_keys && staged.own_offsets ? run_item(p, &units[items[i].unit], &items[i], &staged, b)
+                                                                   : STATUS_OK;
             if (code != STATUS_OK) {
 #pragma omp atomic write
                 status = code;
             }
         }
-        int staged;
-#pragma omp atomic read
-        staged = status;
-        if (staged == STATUS_OK) {
-            configure_tiles();
-            BlockState *b = (BlockState *)aligned_alloc(64, sizeof(BlockState));
-            if (b == NULL) {
-#pragma omp atomic write
-                status = STATUS_NO_MEMORY;
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < num_items; i++) {
-                const Unit *u = &units[items[i].unit];
-                int64_t first = (int64_t)items[i].first_block * BLOCK_ROWS;
-                for (int block = 0; block < ITEM_BLOCKS && b != NULL && first < u->num_rows; block++, first += BLOCK_ROWS)
-                    attend_block(p, u, staging, items[i].head, first,
-                                 u->num_rows - first < BLOCK_ROWS ? (int)(u->num_rows - first) : BLOCK_ROWS, b);
-            }
-            free(b);
-            _tile_release();
-        }
+        _tile_release();
+        free(b), free(staged.own_keys), free(staged.own_offsets), free(staged.keys);
     }
     return status;
 }
@@ -492,8 +533,7 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
 
 /* Entry point: see the top of this file. `groups` holds num_groups rows (first, end, prefix), in
  * order and disjoint, over sequences 0 .. num_seqs - 1: members first .. end - 1 (at least two)
- * hold the same blocks for positions [0, prefix), prefix >= 1, every query after it, and their
- * rows packed one after another. Returns a STATUS_* code; on STATUS_OK every element of every
+ * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns a STATUS_* code; on STATUS_OK every element of every
  * query row of `out` is written. */
 int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
@@ -502,23 +542,27 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
                              const int32_t *groups, int num_groups) {
     if (head_dim != HEAD_DIM || !amx_tiles_granted()) return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                 block_tables, context_lens, query_starts, query_lens, num_heads, num_kv_heads, num_blocks,
+                 block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
-    if (units == NULL) return STATUS_NO_MEMORY;
-    int64_t staging_bytes;
-    int num_units = plan_units(&p, num_seqs, groups, num_groups, units, &staging_bytes);
+    p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
+    if (units == NULL || p.unit_rows == NULL) {
+        free(units), free(p.unit_rows);
+        return STATUS_NO_MEMORY;
+    }
+    int num_units = plan_units(&p, num_seqs, groups, num_groups, units);
     if (num_units < 0) {
-        free(units);
+        free(units), free(p.unit_rows);
         return -num_units;
     }
-    int num_items = item_count(units, num_units, num_heads);
+    int num_items = item_count(units, num_units, num_kv_heads), max_members = 1;
+    for (int u = 0; u < num_units; u++)
+        max_members = units[u].end - units[u].first > max_members ? units[u].end - units[u].first : max_members;
     Item *items = (Item *)malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
-    char *staging = (char *)aligned_alloc(64, (size_t)(staging_bytes > 0 ? staging_bytes : 64));
     int status = STATUS_NO_MEMORY;
-    if (items != NULL && staging != NULL)
-        status = run(&p, units, num_units, items, plan_items(&p, units, num_units, items), staging, num_threads);
-    free(units), free(items), free(staging);
+    if (items != NULL)
+        status = run(&p, units, items, plan_items(&p, units, num_units, items), max_members, num_threads);
+    free(units), free(items), free(p.unit_rows);
     return status;
 }
 
