@@ -98,7 +98,7 @@ typedef struct {
 
 /* A row block's state across its key blocks. */
 typedef struct {
-    _Alignas(64) float scores[BLOCK_ROWS * BLOCK_KEYS];
+    _Alignas(64) float scores[2][BLOCK_ROWS * BLOCK_KEYS]; /* a key block's, and the next one's */
     _Alignas(64) uint16_t probs[BLOCK_ROWS * BLOCK_KEYS];
     _Alignas(64) float acc[BLOCK_ROWS * HEAD_DIM];  /* the accumulator tiles when stored */
     _Alignas(64) float sums[BLOCK_ROWS * 16];       /* each row's sum, as 16 partial sums */
@@ -114,18 +114,16 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-/* 2^x for 16 floats (finite, or masked off by the caller): x = n + f with n an integer and
- * |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative error < 3e-6), times 2^n exactly. */
+/* 2^x for 16 finite floats: x = n + f with n = floor(x) and 0 <= f < 1 (vreduceps), 2^f by a
+ * degree-3 polynomial fitted for relative error (< 7.5e-5, far below the bf16 rounding of the
+ * probabilities), times 2^n exactly (vscalefps floors x itself). */
 static inline __m512 exp2_16(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 poly = _mm512_set1_ps(1.3333558146428441e-3f);
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.618129107628477e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821576e-2f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402265069591007e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931471805599453e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(poly, n);
+    __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 poly = _mm512_set1_ps(0.0780244916677475f);
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.2260672003030777f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.6958335041999817f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.9999251961708069f));
+    return _mm512_scalef_ps(poly, x);
 }
 
 /* ---- staging ---- */
@@ -275,15 +273,15 @@ static void reset_state(BlockState *b) {
     b->is_empty = 1;
 }
 
-/* Scores of the row block's queries with the key block's 32 keys, into b->scores [16][32]. */
-static void score_tiles(const char *key_block, BlockState *b) {
+/* Scores of the row block's queries with the key block's 32 keys, into `scores` [16][32]. */
+static void score_tiles(const char *key_block, float *scores) {
     for (int half = 0; half < 2; half++) {
         _tile_zero(SCORES);
         _tile_loadd(OPERAND, key_block + (2 * half) * TILE_BYTES, 64);
         _tile_dpbf16ps(SCORES, Q_LOW, OPERAND);
         _tile_loadd(OPERAND, key_block + (2 * half + 1) * TILE_BYTES, 64);
         _tile_dpbf16ps(SCORES, Q_HIGH, OPERAND);
-        _tile_stored(SCORES, b->scores + 16 * half, 4 * BLOCK_KEYS);
+        _tile_stored(SCORES, scores + 16 * half, 4 * BLOCK_KEYS);
     }
 }
 
@@ -294,7 +292,7 @@ static inline __mmask16 first_lanes(int count) {
 /* The softmax step of a key block whose first `visible[r]` keys row r sees (none for <= 0, all
  * for >= 32): the probabilities into b->probs (bf16, 0 where masked), the sums, and each row's
  * accumulator factor (1 unless its reference max moved). Returns 1 when some factor is not 1. */
-static int softmax_block(const int *visible, float scale_log2, BlockState *b) {
+static int softmax_block(const float *scores, const int *visible, float scale_log2, BlockState *b) {
     int moved = 0;
     const __m512 scale = _mm512_set1_ps(scale_log2);
     for (int r = 0; r < BLOCK_ROWS; r++) {
@@ -304,22 +302,21 @@ static int softmax_block(const int *visible, float scale_log2, BlockState *b) {
             continue;
         }
         __mmask16 low = first_lanes(visible[r]), high = first_lanes(visible[r] - 16);
-        __m512 x0 = _mm512_mul_ps(_mm512_load_ps(b->scores + r * BLOCK_KEYS), scale);
-        __m512 x1 = _mm512_mul_ps(_mm512_load_ps(b->scores + r * BLOCK_KEYS + 16), scale);
+        __m512 s0 = _mm512_load_ps(scores + r * BLOCK_KEYS), s1 = _mm512_load_ps(scores + r * BLOCK_KEYS + 16);
         float reference = b->max[r];
-        __m512 bound = _mm512_set1_ps(reference + RESCALE_LOG2);
-        if (_mm512_mask_cmp_ps_mask(low, x0, bound, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(high, x1, bound, _CMP_GT_OQ)) {
-            __m512 seen = _mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), low, x0),
-                                        _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), high, x1));
-            float new_max = fmaxf(reference, _mm512_reduce_max_ps(seen));
+        __m512 bound = _mm512_set1_ps((reference + RESCALE_LOG2) / scale_log2); /* in raw score units */
+        if (_mm512_mask_cmp_ps_mask(low, s0, bound, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(high, s1, bound, _CMP_GT_OQ)) {
+            __m512 seen = _mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), low, s0),
+                                        _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), high, s1));
+            float new_max = fmaxf(reference, _mm512_reduce_max_ps(seen) * scale_log2);
             float factor = reference == -INFINITY ? 0.0f : exp2f(reference - new_max);
             float *sums = b->sums + 16 * r;
             _mm512_store_ps(sums, _mm512_mul_ps(_mm512_load_ps(sums), _mm512_set1_ps(factor)));
             b->factor[r] = factor, b->max[r] = reference = new_max, moved = 1;
         }
         __m512 shift = _mm512_set1_ps(reference);
-        __m512 e0 = _mm512_maskz_mov_ps(low, exp2_16(_mm512_sub_ps(x0, shift)));
-        __m512 e1 = _mm512_maskz_mov_ps(high, exp2_16(_mm512_sub_ps(x1, shift)));
+        __m512 e0 = exp2_16(_mm512_fmsub_ps(s0, scale, shift)), e1 = exp2_16(_mm512_fmsub_ps(s1, scale, shift));
+        if (visible[r] < BLOCK_KEYS) e0 = _mm512_maskz_mov_ps(low, e0), e1 = _mm512_maskz_mov_ps(high, e1);
         float *sums = b->sums + 16 * r;
         _mm512_store_ps(sums, _mm512_add_ps(_mm512_load_ps(sums), _mm512_add_ps(e0, e1)));
         _mm512_store_si512(b->probs + r * BLOCK_KEYS, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* e0's 16, then e1's */
@@ -362,16 +359,19 @@ static void value_tiles(const char *key_block, BlockState *b) {
     _tile_dpbf16ps(3, SCORES, OPERAND);
 }
 
-/* The row block attends to a staged segment of which row r sees the first limit[r] keys. */
+/* The row block attends to a staged segment of which row r sees the first limit[r] keys. The
+ * next key block's scores are asked of the tiles before this one's softmax, which does not wait
+ * for them: the two overlap. */
 static void attend_segment(const char *segment, const int *limit, float scale_log2, BlockState *b) {
     int most = 0;
     for (int r = 0; r < BLOCK_ROWS; r++) most = limit[r] > most ? limit[r] : most;
-    for (int k0 = 0; k0 < most; k0 += BLOCK_KEYS) {
+    if (most > 0) score_tiles(segment, b->scores[0]);
+    for (int k0 = 0, i = 0; k0 < most; k0 += BLOCK_KEYS, i ^= 1) {
         const char *key_block = segment + (int64_t)(k0 / BLOCK_KEYS) * KEY_BLOCK_BYTES;
+        if (k0 + BLOCK_KEYS < most) score_tiles(key_block + KEY_BLOCK_BYTES, b->scores[i ^ 1]);
         int visible[BLOCK_ROWS];
         for (int r = 0; r < BLOCK_ROWS; r++) visible[r] = limit[r] - k0;
-        score_tiles(key_block, b);
-        if (softmax_block(visible, scale_log2, b) && !b->is_empty) rescale_accumulators(b);
+        if (softmax_block(b->scores[i], visible, scale_log2, b) && !b->is_empty) rescale_accumulators(b);
         value_tiles(key_block, b);
         b->is_empty = 0;
     }
