@@ -104,7 +104,8 @@ typedef struct {
     _Alignas(64) float sums[BLOCK_ROWS * 16];       /* each row's sum, as 16 partial sums */
     _Alignas(64) uint16_t q[BLOCK_ROWS * HEAD_DIM];
     float max[BLOCK_ROWS];                          /* each row's reference max (-inf: none yet) */
-    float factor[BLOCK_ROWS];                       /* each row's accumulator factor of this key block */
+    float bound[BLOCK_ROWS];                        /* the raw score past which it moves */
+    float factor[BLOCK_ROWS];                       /* the accumulator factor of a row whose max moved */
     int is_empty;                                   /* no key block accumulated yet */
 } BlockState;
 
@@ -268,7 +269,7 @@ static void reset_state(BlockState *b) {
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int r = 0; r < BLOCK_ROWS; r++) b->max[r] = -INFINITY;
+    for (int r = 0; r < BLOCK_ROWS; r++) b->max[r] = b->bound[r] = -INFINITY;
     memset(b->sums, 0, sizeof(b->sums));
     b->is_empty = 1;
 }
@@ -290,33 +291,32 @@ static inline __mmask16 first_lanes(int count) {
 }
 
 /* The softmax step of a key block whose first `visible[r]` keys row r sees (none for <= 0, all
- * for >= 32): the probabilities into b->probs (bf16, 0 where masked), the sums, and each row's
- * accumulator factor (1 unless its reference max moved). Returns 1 when some factor is not 1. */
-static int softmax_block(const float *scores, const int *visible, float scale_log2, BlockState *b) {
-    int moved = 0;
-    const __m512 scale = _mm512_set1_ps(scale_log2);
+ * for >= 32): the probabilities into b->probs (bf16, 0 where masked), the sums, and the factor
+ * of each row whose reference max moved. Returns those rows as a bit mask. */
+static unsigned softmax_block(const float *scores, const int *visible, float scale_log2, BlockState *b) {
+    unsigned moved = 0;
+    const __m512 scale = _mm512_set1_ps(scale_log2), none = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < BLOCK_ROWS; r++) {
-        b->factor[r] = 1.0f;
         if (visible[r] <= 0) {
             _mm512_store_si512(b->probs + r * BLOCK_KEYS, _mm512_setzero_si512());
             continue;
         }
+        int is_partial = visible[r] < BLOCK_KEYS;
         __mmask16 low = first_lanes(visible[r]), high = first_lanes(visible[r] - 16);
         __m512 s0 = _mm512_load_ps(scores + r * BLOCK_KEYS), s1 = _mm512_load_ps(scores + r * BLOCK_KEYS + 16);
-        float reference = b->max[r];
-        __m512 bound = _mm512_set1_ps((reference + RESCALE_LOG2) / scale_log2); /* in raw score units */
-        if (_mm512_mask_cmp_ps_mask(low, s0, bound, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(high, s1, bound, _CMP_GT_OQ)) {
-            __m512 seen = _mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), low, s0),
-                                        _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), high, s1));
-            float new_max = fmaxf(reference, _mm512_reduce_max_ps(seen) * scale_log2);
+        if (is_partial) s0 = _mm512_mask_mov_ps(none, low, s0), s1 = _mm512_mask_mov_ps(none, high, s1);
+        __m512 row_max = _mm512_max_ps(s0, s1);
+        if (_mm512_cmp_ps_mask(row_max, _mm512_set1_ps(b->bound[r]), _CMP_GT_OQ)) {
+            float reference = b->max[r], new_max = fmaxf(reference, _mm512_reduce_max_ps(row_max) * scale_log2);
             float factor = reference == -INFINITY ? 0.0f : exp2f(reference - new_max);
             float *sums = b->sums + 16 * r;
             _mm512_store_ps(sums, _mm512_mul_ps(_mm512_load_ps(sums), _mm512_set1_ps(factor)));
-            b->factor[r] = factor, b->max[r] = reference = new_max, moved = 1;
+            b->factor[r] = factor, b->max[r] = new_max, b->bound[r] = (new_max + RESCALE_LOG2) / scale_log2;
+            moved |= 1u << r;
         }
-        __m512 shift = _mm512_set1_ps(reference);
+        __m512 shift = _mm512_set1_ps(b->max[r]);
         __m512 e0 = exp2_16(_mm512_fmsub_ps(s0, scale, shift)), e1 = exp2_16(_mm512_fmsub_ps(s1, scale, shift));
-        if (visible[r] < BLOCK_KEYS) e0 = _mm512_maskz_mov_ps(low, e0), e1 = _mm512_maskz_mov_ps(high, e1);
+        if (is_partial) e0 = _mm512_maskz_mov_ps(low, e0), e1 = _mm512_maskz_mov_ps(high, e1);
         float *sums = b->sums + 16 * r;
         _mm512_store_ps(sums, _mm512_add_ps(_mm512_load_ps(sums), _mm512_add_ps(e0, e1)));
         _mm512_store_si512(b->probs + r * BLOCK_KEYS, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* e0's 16, then e1's */
@@ -331,11 +331,11 @@ static void store_accumulators(BlockState *b) {
     _tile_stored(3, b->acc + 48, 4 * HEAD_DIM);
 }
 
-/* Each accumulator row times its factor (the tiles stored, scaled, loaded back). */
-static void rescale_accumulators(BlockState *b) {
+/* Each `moved` row's accumulator row times its factor (the tiles stored, scaled, loaded back). */
+static void rescale_accumulators(unsigned moved, BlockState *b) {
     store_accumulators(b);
     for (int r = 0; r < BLOCK_ROWS; r++) {
-        if (b->factor[r] == 1.0f) continue;
+        if (!(moved >> r & 1)) continue;
         __m512 factor = _mm512_set1_ps(b->factor[r]);
         for (int j = 0; j < HEAD_DIM; j += 16)
             _mm512_store_ps(b->acc + r * HEAD_DIM + j, _mm512_mul_ps(_mm512_load_ps(b->acc + r * HEAD_DIM + j), factor));
@@ -371,7 +371,8 @@ static void attend_segment(const char *segment, const int *limit, float scale_lo
         if (k0 + BLOCK_KEYS < most) score_tiles(key_block + KEY_BLOCK_BYTES, b->scores[i ^ 1]);
         int visible[BLOCK_ROWS];
         for (int r = 0; r < BLOCK_ROWS; r++) visible[r] = limit[r] - k0;
-        if (softmax_block(b->scores[i], visible, scale_log2, b) && !b->is_empty) rescale_accumulators(b);
+        unsigned moved = softmax_block(b->scores[i], visible, scale_log2, b);
+        if (moved && !b->is_empty) rescale_accumulators(moved, b);
         value_tiles(key_block, b);
         b->is_empty = 0;
     }
