@@ -16,7 +16,9 @@
  * Any other sequence is a unit of its own with no prefix. Each member's positions past the
  * prefix are its own segment, which its rows alone see, causally.
  *
- * Work. An item is (unit, kv head, up to ITEM_BLOCKS row blocks of 16 rows), costliest first.
+ * Work. An item's rows are (unit row, query head) pairs of one kv head, unit row by unit row:
+ * an item is (unit, kv head, up to ITEM_BLOCKS row blocks of 16 such rows), costliest first.
+ * A decode row alone is then one block of `group` rows, whose K/V tiles all its heads share.
  * It stages the keys its rows see (the prefix, and the own positions of the members whose rows
  * it holds, up to its last row's) from the pool into the thread's buffer in tile order, in key
  * blocks of 32: K as the B operands of the score product (per 16 keys and 32 dims a tile of 16
@@ -58,7 +60,7 @@ enum {
 #define HEAD_DIM 64
 #define BLOCK_ROWS 16                          /* query rows of a row block: one tile's rows */
 #define BLOCK_KEYS 32                          /* keys of a key block: one bf16 A tile's row */
-#define ITEM_BLOCKS 8                          /* row blocks of a work item */
+#define ITEM_BLOCKS 24                         /* row blocks of a work item: 128 unit rows of a kv head with 3 query heads */
 #define RESCALE_LOG2 8.0f                      /* the reference max moves past this excess */
 #define TILE_BYTES 1024                        /* 16 rows of 64 bytes */
 #define KEY_BLOCK_BYTES (8 * TILE_BYTES)       /* 4 K tiles (key half x dim half), 4 V tiles */
@@ -245,19 +247,33 @@ static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t firs
 
 /* ---- one row block ---- */
 
-/* The packed rows of unit rows first .. first + rows - 1 (rows <= 16) of unit `u`. */
-static void packed_rows(const Problem *p, const Unit *u, int64_t first, int rows, int64_t *packed) {
+/* A row block: up to 16 of its item's rows, each a unit row with one query head of the kv head
+ * (row i of a unit: unit row i / group, head i % group of the kv head's). */
+typedef struct {
+    int rows;
+    int64_t unit_row[BLOCK_ROWS];
+    int64_t packed[BLOCK_ROWS]; /* the unit row's packed row of q and out */
+    int head[BLOCK_ROWS];
+} RowBlock;
+
+static void row_block(const Problem *p, const Unit *u, int kv_head, int64_t first, int rows, RowBlock *block) {
+    int group = p->num_heads / p->num_kv_heads;
+    block->rows = rows;
+    for (int r = 0; r < rows; r++)
+        block->unit_row[r] = (first + r) / group, block->head[r] = kv_head * group + (int)((first + r) % group);
     for (int seq = u->first; seq < u->end; seq++) {
         int64_t start = p->unit_rows[seq], end = start + p->query_lens[seq];
-        for (int64_t row = start > first ? start : first; row < end && row < first + rows; row++)
-            packed[row - first] = p->query_starts[seq] + (row - start);
+        if (start > block->unit_row[rows - 1] || end <= block->unit_row[0]) continue;
+        for (int r = 0; r < rows; r++)
+            if (block->unit_row[r] >= start && block->unit_row[r] < end)
+                block->packed[r] = p->query_starts[seq] + (block->unit_row[r] - start);
     }
 }
 
-static void load_queries(const Problem *p, const int64_t *packed, int rows, int head, BlockState *b) {
+static void load_queries(const Problem *p, const RowBlock *block, BlockState *b) {
     for (int r = 0; r < BLOCK_ROWS; r++) {
         uint16_t *dst = b->q + r * HEAD_DIM;
-        if (r < rows) memcpy(dst, p->q + (packed[r] * p->num_heads + head) * HEAD_DIM, 2 * HEAD_DIM);
+        if (r < block->rows) memcpy(dst, p->q + (block->packed[r] * p->num_heads + block->head[r]) * HEAD_DIM, 2 * HEAD_DIM);
         else memset(dst, 0, 2 * HEAD_DIM);
     }
     _tile_loadd(Q_LOW, b->q, 2 * HEAD_DIM);
@@ -379,25 +395,25 @@ static void attend_segment(const char *segment, const int *limit, float scale_lo
 }
 
 /* Each real row's output: its accumulator row over its sum, as bf16. */
-static void store_rows(const Problem *p, const int64_t *packed, int rows, int head, BlockState *b) {
+static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
     store_accumulators(b);
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < block->rows; r++) {
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r)));
-        uint16_t *dst = p->out + (packed[r] * p->num_heads + head) * HEAD_DIM;
+        uint16_t *dst = p->out + (block->packed[r] * p->num_heads + block->head[r]) * HEAD_DIM;
         for (int j = 0; j < HEAD_DIM; j += 16)
             _mm256_storeu_si256((__m256i *)(dst + j),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(b->acc + r * HEAD_DIM + j), inverse)));
     }
 }
 
-/* Unit rows first .. first + rows - 1 (rows <= 16) of unit `u`, query head `head`, over the
- * keys `staged` for them. */
-static void attend_block(const Problem *p, const Unit *u, const Staged *staged, int head, int64_t first, int rows,
+/* Rows first .. first + rows - 1 (rows <= 16) of an item of unit `u` and kv head `kv_head`,
+ * over the keys `staged` for them. */
+static void attend_block(const Problem *p, const Unit *u, const Staged *staged, int kv_head, int64_t first, int rows,
                          BlockState *b) {
     int limit[BLOCK_ROWS];
-    int64_t packed[BLOCK_ROWS];
-    packed_rows(p, u, first, rows, packed);
-    load_queries(p, packed, rows, head, b);
+    RowBlock block;
+    row_block(p, u, kv_head, first, rows, &block);
+    load_queries(p, &block, b);
     reset_state(b);
     if (u->prefix > 0) {
         for (int r = 0; r < BLOCK_ROWS; r++) limit[r] = r < rows ? u->prefix : 0;
@@ -406,17 +422,17 @@ static void attend_block(const Problem *p, const Unit *u, const Staged *staged, 
     for (int seq = staged->first; seq < staged->end; seq++) {
         int length = own_length(p, u, seq);
         int64_t member_first = p->unit_rows[seq], member_end = member_first + p->query_lens[seq];
-        if (member_first >= first + rows || member_end <= first) continue;
-        /* row i of the member sits at own position length - query_len + i */
+        if (member_first > block.unit_row[rows - 1] || member_end <= block.unit_row[0]) continue;
+        /* unit row member_first + i sits at own position length - query_len + i */
         for (int r = 0; r < BLOCK_ROWS; r++) {
-            int64_t row = first + r;
-            limit[r] = r < rows && row >= member_first && row < member_end
+            int64_t row = r < rows ? block.unit_row[r] : -1;
+            limit[r] = row >= member_first && row < member_end
                            ? (int)(length - p->query_lens[seq] + (row - member_first) + 1)
                            : 0;
         }
         attend_segment(staged->keys + staged->own_offsets[seq - staged->first], limit, p->scale_log2, b);
     }
-    store_rows(p, packed, rows, head, b);
+    store_rows(p, &block, b);
 }
 
 /* ---- planning ---- */
@@ -463,15 +479,15 @@ static int plan_units(Problem *p, int num_seqs, const int32_t *groups, int num_g
 
 /* Work items of every unit, costliest first: (unit, kv head, first row block); returns their count. */
 static int plan_items(const Problem *p, const Unit *units, int num_units, Item *items) {
-    int num_items = 0;
+    int num_items = 0, group = p->num_heads / p->num_kv_heads;
     for (int u = 0; u < num_units; u++) {
-        int64_t blocks = (units[u].num_rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+        int64_t blocks = (units[u].num_rows * group + BLOCK_ROWS - 1) / BLOCK_ROWS;
         int64_t keys = p->context_lens[units[u].end - 1]; /* the last row's */
         for (int64_t block = 0; block < blocks; block += ITEM_BLOCKS)
             for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
-                /* its rows times the keys its last row sees, at most */
+                /* its rows times the keys its last unit row sees, at most */
                 int64_t rows = blocks - block < ITEM_BLOCKS ? blocks - block : ITEM_BLOCKS;
-                int64_t last = (block + rows) * BLOCK_ROWS;
+                int64_t last = (block + rows) * BLOCK_ROWS / group;
                 int64_t seen = keys - (units[u].num_rows > last ? units[u].num_rows - last : 0);
                 items[num_items++] = (Item){u, kv_head, (int)block, rows * (seen > 1 ? seen : 1)};
             }
@@ -480,25 +496,23 @@ static int plan_items(const Problem *p, const Unit *units, int num_units, Item *
     return num_items;
 }
 
-static int item_count(const Unit *units, int num_units, int num_kv_heads) {
-    int count = 0;
+static int item_count(const Unit *units, int num_units, int num_heads, int num_kv_heads) {
+    int count = 0, group = num_heads / num_kv_heads;
     for (int u = 0; u < num_units; u++)
-        count += (int)((units[u].num_rows + BLOCK_ROWS * ITEM_BLOCKS - 1) / (BLOCK_ROWS * ITEM_BLOCKS)) * num_kv_heads;
+        count += (int)((units[u].num_rows * group + BLOCK_ROWS * ITEM_BLOCKS - 1) / (BLOCK_ROWS * ITEM_BLOCKS)) *
+                 num_kv_heads;
     return count;
 }
 
-/* One item: stage its keys, then every query head of its kv head attends them, row block by row block. */
+/* One item: stage its keys, then its rows attend them, row block by row block. */
 static int run_item(const Problem *p, const Unit *u, const Item *item, Staged *staged, BlockState *b) {
-    int64_t first_row = (int64_t)item->first_block * BLOCK_ROWS, end_row = first_row + ITEM_BLOCKS * BLOCK_ROWS;
-    end_row = end_row < u->num_rows ? end_row : u->num_rows;
-    int code = stage_item(p, u, item->kv_head, first_row, end_row, staged);
-    if (code != STATUS_OK) return code;
     int group = p->num_heads / p->num_kv_heads;
-    for (int head = item->kv_head * group; head < (item->kv_head + 1) * group; head++)
-        for (int64_t first = first_row; first < end_row; first += BLOCK_ROWS)
-            attend_block(p, u, staged, head, first, end_row - first < BLOCK_ROWS ? (int)(end_row - first) : BLOCK_ROWS,
-                         b);
-    return STATUS_OK;
+    int64_t first = (int64_t)item->first_block * BLOCK_ROWS, end = first + ITEM_BLOCKS * BLOCK_ROWS;
+    end = end < u->num_rows * group ? end : u->num_rows * group;
+    int code = stage_item(p, u, item->kv_head, first / group, (end + group - 1) / group, staged);
+    for (; first < end && code == STATUS_OK; first += BLOCK_ROWS)
+        attend_block(p, u, staged, item->kv_head, first, end - first < BLOCK_ROWS ? (int)(end - first) : BLOCK_ROWS, b);
+    return code;
 }
 
 /* Every item, on num_threads threads, each with its own staging buffer and block state. */
@@ -556,7 +570,7 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
         free(units), free(p.unit_rows);
         return -num_units;
     }
-    int num_items = item_count(units, num_units, num_kv_heads), max_members = 1;
+    int num_items = item_count(units, num_units, num_heads, num_kv_heads), max_members = 1;
     for (int u = 0; u < num_units; u++)
         max_members = units[u].end - units[u].first > max_members ? units[u].end - units[u].first : max_members;
     Item *items = (Item *)malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
