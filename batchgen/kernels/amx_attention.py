@@ -81,6 +81,11 @@ class CascadePlan:
     query_lens: torch.Tensor  # int32 [S]
     groups: torch.Tensor  # int32 [G, 3] (first, end, prefix_tokens), numbered among those sequences
 
+    def query_rows(self) -> torch.Tensor:
+        """This kernel's packed query rows, int64."""
+        starts, lens = self.query_starts.long(), self.query_lens.long()
+        return torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens) + torch.arange(int(lens.sum()))
+
 
 def cascade_plan(meta) -> CascadePlan:
     """The plan of the step `meta` (an `AttentionMetadata`)."""

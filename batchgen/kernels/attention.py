@@ -304,10 +304,17 @@ class AmxBackend(AttentionBackend):
         if plan.num_lone_decode:
             out[rows] = cpu_attention.paged_decode_attention(
                 q[rows].contiguous(), k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows], scale)
-        if len(plan.query_lens) and not amx_attention.paged_prefill_attention(
-                q, k_cache, v_cache, plan.block_tables, plan.context_lens, plan.query_starts, plan.query_lens, scale,
-                out, plan.groups):
-            raise RuntimeError("the AMX attention kernel refused the step: q and out must be contiguous")
+        if not len(plan.query_lens):
+            return
+        # the kernel takes contiguous rows (transformers' forward hands over q as a [H, T, D] transpose)
+        result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        if not amx_attention.paged_prefill_attention(q.contiguous(), k_cache, v_cache, plan.block_tables,
+                                                     plan.context_lens, plan.query_starts, plan.query_lens, scale,
+                                                     result, plan.groups):
+            raise RuntimeError("the AMX attention kernel refused the step (a non-contiguous KV pool?)")
+        if result is not out:
+            rows = plan.query_rows()
+            out[rows] = result[rows]
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:

@@ -1,5 +1,5 @@
 """Where a step's tokens sit in the paged K/V pool: the cache slots of a sequence's positions,
-and short prefill chunks padded into one batch. Shared by the attention backends.
+and short prefill chunks padded into one batch.
 
 Invariants:
 - A slot is `block_table[position // block_size] * block_size + position % block_size`.
@@ -17,8 +17,7 @@ import torch
 
 @dataclass
 class PrefillBatch:
-    """Short prefill chunks padded into one batch: P sequences, at most Qm queries and Cm keys each
-    (their context positions from the batch's first key on)."""
+    """Short prefill chunks padded into one batch: P sequences, at most Qm queries and Cm keys each."""
 
     seqs: list[int]  # the sequences, as numbered in the step
     rows: torch.Tensor  # [P, Qm] packed-token row of each query (padding repeats the last one)
@@ -44,10 +43,9 @@ def context_slots(block_table: list[int], num_tokens: int, block_size: int, devi
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def padded_chunks(meta, seqs: list[int], first_key: int = 0) -> PrefillBatch:
+def padded_chunks(meta, seqs: list[int]) -> PrefillBatch:
     """Prefill chunks `seqs` of the step `meta` (an `AttentionMetadata`) as one padded batch over
-    their context positions from `first_key` on (`first_key` at or before every chunk's first
-    query)."""
+    their context positions."""
     device = meta.block_tables.device
     query_lens = torch.tensor([meta.query_lens[s] for s in seqs])
     context_lens = torch.tensor([meta.context_lens_list[s] for s in seqs])
@@ -56,8 +54,8 @@ def padded_chunks(meta, seqs: list[int], first_key: int = 0) -> PrefillBatch:
     starts = torch.tensor([meta.query_start_loc[s] for s in seqs])
     rows = starts[:, None] + torch.minimum(query_index[None], query_lens[:, None] - 1)
     width = int(context_lens.max())
-    positions = torch.arange(first_key, width)
-    slots = padded_context_slots(meta.block_tables[seqs].cpu(), context_lens, width, meta.block_size)[:, first_key:]
+    positions = torch.arange(width)
+    slots = padded_context_slots(meta.block_tables[seqs].cpu(), context_lens, width, meta.block_size)
     query_pos = (context_lens - query_lens)[:, None] + query_index[None]  # [P, Qm]
     mask = (positions[None, None] <= query_pos[:, :, None]) & (positions[None, None] < context_lens[:, None, None])
     return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device))

@@ -168,11 +168,11 @@ def test_what_it_does_not_run_is_left_to_the_caller():
                                               torch.empty_like(q))
 
 
-def shared_prefix_step_logits(model, backend=None) -> torch.Tensor:
+def shared_prefix_step_logits(model, backend=None, fused: bool = True) -> torch.Tensor:
     """Logits of a prompt's prefill (its first 64 tokens the others' prefix); of a step of six
     prompts that hold those blocks cached, each computing its own tokens (1 to 70); then of a
     decode step of all seven."""
-    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**23))
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**23, fused_step=fused))
     if backend is not None:
         runner.backend = backend
     prefix = [(7 * i) % 500 + 2 for i in range(64)]
@@ -196,12 +196,13 @@ def shared_prefix_step_logits(model, backend=None) -> torch.Tensor:
     return torch.cat(logits).float()
 
 
-def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])  # the fused step, and transformers' forward (q a transpose)
+def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend(monkeypatch, fused):
     assert isinstance(make_backend("auto", torch.device("cpu"), torch.bfloat16, HEAD_DIM), AmxBackend)
     model = tiny_model(hidden_size=256)  # head_dim 64
-    expected = shared_prefix_step_logits(model)
+    expected = shared_prefix_step_logits(model, fused=fused)
     bf16_model = model.to(torch.bfloat16)
-    reference_error = (shared_prefix_step_logits(bf16_model, ReferenceBackend()) - expected).abs().max()
+    reference_error = (shared_prefix_step_logits(bf16_model, ReferenceBackend(), fused) - expected).abs().max()
     groups_seen, original = [], amx_attention.paged_prefill_attention
 
     def recording(*args):
@@ -209,7 +210,7 @@ def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend
         return original(*args)
 
     monkeypatch.setattr(amx_attention, "paged_prefill_attention", recording)
-    error = (shared_prefix_step_logits(bf16_model) - expected).abs().max()
+    error = (shared_prefix_step_logits(bf16_model, fused=fused) - expected).abs().max()
     # the second step: the one-token prompt (a decode row) and the five chunks; the third: all seven decode rows
     assert [0, 6, 64] in groups_seen and [0, 7, 64] in groups_seen
     # the stated tolerance: at most 1.5x the reference backend's bfloat16 error (that of the model's
