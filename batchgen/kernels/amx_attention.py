@@ -1,6 +1,7 @@
-"""Attention on AMX tiles (``csrc/amx_attention.c``): causal attention of a step's chunks
-(prefill chunks, and decode rows as one-token chunks) over the paged pool, in bfloat16 with
-head_dim 64, on a CPU with AMX-BF16; and `cascade_plan`, which rows of a step go to it.
+"""Attention on AMX tiles (``csrc/amx_attention.c``): causal attention of a step's prefill
+chunks over the paged pool, and the prefix state of decode rows sharing cached prefix blocks,
+in bfloat16 with head_dim 64, on a CPU with AMX-BF16; and `cascade_plan`, which rows of a step
+go where.
 
 Invariants:
 - ``supports()`` never raises: without a compiler, AMX-BF16 or the kernel's permission to use
@@ -8,7 +9,8 @@ Invariants:
 - Chunks given as one group share their cached prefix blocks: its K/V are staged once and all
   the group's queries attend them together (cascade attention); the result is the same
   attention, up to float rounding.
-- Every query row of the given chunks in ``out`` is written, or a ValueError names what was refused.
+- Every query row of the given chunks in ``out`` (or in the prefix state) is written, or a
+  ValueError names what was refused.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from batchgen.kernels.cpu_attention import check_status
 from batchgen.kernels.shared_prefixes import prefix_groups
 
 HEAD_DIM = 64
-_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_ARGTYPES = ([ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+             + [ctypes.c_void_p])
 
 
 @functools.cache
@@ -45,12 +48,16 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
-                            scale: float, out: torch.Tensor, groups: torch.Tensor | None = None) -> bool:
+                            scale: float, out: torch.Tensor, groups: torch.Tensor | None = None,
+                            prefix_state: torch.Tensor | None = None) -> bool:
     """Causal attention of chunks over the paged pool, written into `out` ([rows, H, D] like `q`),
     as `cpu_attention.paged_prefill_attention`: chunk s's queries are rows query_starts[s] .. +
     query_lens[s] (other rows are left alone). `groups`: optional contiguous int32 [G, 3] rows
     (first, end, prefix_tokens), in order and disjoint: chunks first..end-1 (at least two) hold
-    the same blocks for their first prefix_tokens positions and every query comes after them. Returns False, writing nothing, where it does not apply
+    the same blocks for their first prefix_tokens positions and every query comes after them.
+    `prefix_state` (every chunk in a group): the queries attend their group's prefix alone, each
+    row's softmax state written to it (contiguous float32 [rows, H, D + 2], as
+    `cpu_attention.paged_decode_attention` takes it) instead of to `out`. Returns False, writing nothing, where it does not apply
     (`supports` refuses q's dtype or head size, or q, out or the pool is not contiguous)."""
     if not (supports(q.dtype, q.shape[-1]) and k_cache.dtype == q.dtype and q.is_contiguous()
             and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -62,46 +69,54 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         context_lens.data_ptr(), query_starts.data_ptr(), query_lens.data_ptr(), len(query_lens), q.shape[1],
         num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], scale, torch.get_num_threads(),
         None if groups is None else groups.data_ptr(), num_groups,
+        None if prefix_state is None else prefix_state.data_ptr(),
     )
     check_status("amx paged_prefill_attention", status)
     return True
 
 
 @dataclass(frozen=True)
-class CascadePlan:
-    """Where a step's rows go on an AMX CPU: decode rows that share no cached prefix blocks with
-    others to the decode kernel, every other sequence to this kernel, groups sharing a prefix
-    (decode rows and prefill chunks alike) attending it together."""
+class KernelSeqs:
+    """Sequences of a step as this kernel takes them."""
 
-    lone_decode: slice | torch.Tensor  # the decode kernel's rows (a slice where they are the first ones)
-    num_lone_decode: int
-    block_tables: torch.Tensor  # int32 [S, max_blocks]: this kernel's sequences, in step order
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
     context_lens: torch.Tensor  # int32 [S]
-    query_starts: torch.Tensor  # int32 [S]
+    query_starts: torch.Tensor  # int32 [S]: packed rows of q
     query_lens: torch.Tensor  # int32 [S]
-    groups: torch.Tensor  # int32 [G, 3] (first, end, prefix_tokens), numbered among those sequences
+    groups: torch.Tensor  # int32 [G, 3] (first, end, prefix_tokens), numbered among these sequences
 
-    def query_rows(self) -> torch.Tensor:
-        """This kernel's packed query rows, int64."""
-        starts, lens = self.query_starts.long(), self.query_lens.long()
-        return torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens) + torch.arange(int(lens.sum()))
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """Where a step's rows go on an AMX CPU: decode rows that share cached prefix blocks attend
+    their group's prefix here (`decode_groups`, as prefix state), then every decode row goes to
+    the decode kernel (from that state, `decode_prefix_lens`); every prefill chunk comes here,
+    chunks sharing cached prefix blocks in groups (`prefill`)."""
+
+    decode_groups: KernelSeqs | None  # the grouped decode rows, None for none
+    decode_prefix_lens: torch.Tensor | None  # int32 [num_decode]: the prefix each decode row starts from (0: none)
+    prefill: KernelSeqs | None  # every prefill chunk, None for none
 
 
 def cascade_plan(meta) -> CascadePlan:
-    """The plan of the step `meta` (an `AttentionMetadata`)."""
-    runs = prefix_groups(meta.block_tables_list, meta.context_lens_list, meta.query_lens, meta.block_size)
-    grouped = {s for first, end, _ in runs for s in range(first, end)}
+    """The plan of the step `meta` (an `AttentionMetadata` whose `decode_groups` are set)."""
     num_decode = meta.num_decode_seqs
-    lone = [s for s in range(num_decode) if s not in grouped]
-    seqs = [s for s in range(len(meta.query_lens)) if s >= num_decode or s in grouped]
-    number = {s: i for i, s in enumerate(seqs)}
-    picked = torch.tensor(seqs, dtype=torch.long)
-    return CascadePlan(
-        lone_decode=slice(0, len(lone)) if lone == list(range(len(lone))) else torch.tensor(lone, dtype=torch.long),
-        num_lone_decode=len(lone),
-        block_tables=meta.block_tables[picked],
-        context_lens=meta.context_lens[picked],
-        query_starts=torch.tensor([meta.query_start_loc[s] for s in seqs], dtype=torch.int32),
-        query_lens=torch.tensor([meta.query_lens[s] for s in seqs], dtype=torch.int32),
-        groups=torch.tensor([(number[first], number[end - 1] + 1, prefix) for first, end, prefix in runs],
-                            dtype=torch.int32).reshape(-1, 3))
+    decode_groups = prefix_lens = prefill = None
+    if meta.decode_groups is not None and len(meta.decode_groups):
+        runs = meta.decode_groups.tolist()
+        members = torch.tensor([s for first, end, _ in runs for s in range(first, end)], dtype=torch.long)
+        prefix_lens = torch.zeros(num_decode, dtype=torch.int32)
+        numbered, count = [], 0
+        for first, end, prefix in runs:
+            prefix_lens[first:end] = prefix
+            numbered.append((count, count + end - first, prefix))
+            count += end - first
+        decode_groups = KernelSeqs(meta.block_tables[members], meta.context_lens[members], members.to(torch.int32),
+                                   torch.ones(len(members), dtype=torch.int32),
+                                   torch.tensor(numbered, dtype=torch.int32))
+    if num_decode < len(meta.query_lens):
+        groups = prefix_groups(meta.block_tables_list[num_decode:], meta.context_lens_list[num_decode:],
+                               meta.query_lens[num_decode:], meta.block_size)
+        prefill = KernelSeqs(meta.block_tables[num_decode:], meta.context_lens[num_decode:], *meta.prefill_queries,
+                             torch.tensor(groups, dtype=torch.int32).reshape(-1, 3))
+    return CascadePlan(decode_groups, prefix_lens, prefill)

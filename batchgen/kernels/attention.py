@@ -23,9 +23,9 @@ others; "native" batches decode rows through one kernel call that reads the pool
 (compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
 runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512, float32 /
 bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
-head_dim 64, "native" is `AmxBackend`: every prefill chunk, and every decode row that shares
-cached prefix blocks with others, through the AMX kernel (`amx_attention`), the other decode
-rows through the decode kernel.
+head_dim 64, "native" is `AmxBackend`: every prefill chunk through the AMX kernel
+(`amx_attention`), and the shared prefix of decode rows in a group too, the decode kernel going
+on from that state.
 """
 
 from __future__ import annotations
@@ -292,29 +292,39 @@ def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 
 class AmxBackend(AttentionBackend):
-    """On a CPU with AMX-BF16 (bfloat16, head_dim 64): the step's rows as `cascade_plan` splits
-    them, decode rows sharing no prefix through the decode kernel, the rest through the AMX kernel
-    (groups of rows sharing cached prefix blocks attend that prefix together)."""
+    """On a CPU with AMX-BF16 (bfloat16, head_dim 64), as `cascade_plan` splits the step: decode
+    rows sharing cached prefix blocks first attend that prefix through the AMX kernel (per group,
+    its softmax state), then every decode row goes through the decode kernel (from that state);
+    prefill chunks go through the AMX kernel, chunks sharing cached prefix blocks attending it
+    together."""
 
     name = "native"
+    shares_prefixes = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
-        plan = meta.cascade_plan
-        rows = plan.lone_decode
-        if plan.num_lone_decode:
-            out[rows] = cpu_attention.paged_decode_attention(
-                q[rows].contiguous(), k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows], scale)
-        if not len(plan.query_lens):
-            return
-        # the kernel takes contiguous rows (transformers' forward hands over q as a [H, T, D] transpose)
-        result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        if not amx_attention.paged_prefill_attention(q.contiguous(), k_cache, v_cache, plan.block_tables,
-                                                     plan.context_lens, plan.query_starts, plan.query_lens, scale,
-                                                     result, plan.groups):
+        plan, num_decode = meta.cascade_plan, meta.num_decode_seqs
+        q = q.contiguous()  # transformers' forward hands over q as a [H, T, D] transpose
+        if num_decode:
+            state = {}
+            if plan.decode_groups is not None:
+                prefix_state = torch.empty((num_decode, q.shape[1], q.shape[2] + 2))
+                self.attend(q, k_cache, v_cache, plan.decode_groups, scale, out, prefix_state)
+                state = {"prefix_lens": plan.decode_prefix_lens, "prefix_state": prefix_state}
+            out[:num_decode] = cpu_attention.paged_decode_attention(
+                q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode],
+                scale, **state)
+        if plan.prefill is not None:
+            result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            self.attend(q, k_cache, v_cache, plan.prefill, scale, result)
+            if result is not out:
+                out[num_decode:] = result[num_decode:]  # the prefill chunks' rows
+
+    @staticmethod
+    def attend(q, k_cache, v_cache, seqs, scale, out, prefix_state=None) -> None:
+        if not amx_attention.paged_prefill_attention(q, k_cache, v_cache, seqs.block_tables, seqs.context_lens,
+                                                     seqs.query_starts, seqs.query_lens, scale, out, seqs.groups,
+                                                     prefix_state):
             raise RuntimeError("the AMX attention kernel refused the step (a non-contiguous KV pool?)")
-        if result is not out:
-            rows = plan.query_rows()
-            out[rows] = result[rows]
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:

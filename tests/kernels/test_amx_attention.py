@@ -12,7 +12,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import amx_attention
+from batchgen.kernels import amx_attention, cpu_attention
 from batchgen.kernels.attention import AmxBackend, ReferenceBackend, make_backend
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import tiny_model
@@ -127,6 +127,27 @@ def test_a_groups_rows_need_not_be_adjacent_and_other_rows_are_left_alone():
     assert bf16_error(torch.cat([out[:1], out[2:]]), expected) < 2
 
 
+def test_prefix_state_continued_by_the_decode_kernel_is_the_attention():
+    # two groups of decode rows (one over a prefix inside a block of 4 tokens: 3 blocks)
+    context_lens = [40, 37, 50, 20, 13, 30]
+    shared = [(0, 3, 32), (3, 6, 12)]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 6, shared=shared, block_size=4)
+    rows = torch.arange(6, dtype=torch.int32)
+    contexts = torch.tensor(context_lens, dtype=torch.int32)
+    state = torch.full((6, 9, HEAD_DIM + 2), float("nan"))
+    out = torch.full_like(q, float("nan"))
+    assert amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, contexts, rows, torch.ones_like(rows),
+                                                 SCALE, out, torch.tensor(shared, dtype=torch.int32), state)
+    assert out.isnan().all()  # the state instead of the output
+    got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, SCALE,
+                                               prefix_lens=torch.tensor([32] * 3 + [12] * 3, dtype=torch.int32),
+                                               prefix_state=state)
+    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 6)) < 2
+    with pytest.raises(ValueError, match="group"):  # every row in a group
+        amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, contexts, rows, torch.ones_like(rows),
+                                              SCALE, out, torch.tensor(shared[:1], dtype=torch.int32), state)
+
+
 def test_a_max_that_keeps_rising_rescales_the_sums():
     # keys aligned with the query and growing along the context: scores rise by ~74 (log2 units)
     # from key block to key block, to ~460: far past the kernel's rescale threshold, and past
@@ -206,13 +227,15 @@ def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend
     groups_seen, original = [], amx_attention.paged_prefill_attention
 
     def recording(*args):
-        groups_seen.extend(args[-1].tolist())
+        groups, prefix_state = args[-2:]
+        groups_seen.extend((group, prefix_state is not None) for group in groups.tolist())
         return original(*args)
 
     monkeypatch.setattr(amx_attention, "paged_prefill_attention", recording)
     error = (shared_prefix_step_logits(bf16_model, fused=fused) - expected).abs().max()
-    # the second step: the one-token prompt (a decode row) and the five chunks; the third: all seven decode rows
-    assert [0, 6, 64] in groups_seen and [0, 7, 64] in groups_seen
+    # the second step's five chunks (the one-token prompt is a decode row); the third step's seven
+    # decode rows, through their prefix state
+    assert ([0, 5, 64], False) in groups_seen and ([0, 7, 64], True) in groups_seen
     # the stated tolerance: at most 1.5x the reference backend's bfloat16 error (that of the model's
     # bf16 linear layers, ~3% of the logits' range for this model)
     assert error <= 1.5 * reference_error

@@ -79,6 +79,7 @@ typedef struct {
     const uint16_t *k_cache, *v_cache;
     const int32_t *block_tables, *context_lens, *query_starts, *query_lens;
     int64_t *unit_rows; /* [num_seqs] each sequence's first row among its unit's rows */
+    float *state;       /* prefix-state mode: [rows, num_heads, 66] each row's softmax state over its prefix */
     int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
     float scale_log2; /* the softmax scale times log2(e) */
 } Problem;
@@ -219,7 +220,7 @@ static int own_keys_seen(const Problem *p, const Unit *u, int seq, int64_t end_r
 static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t first_row, int64_t end_row,
                       Staged *staged) {
     staged->first = u->end, staged->end = u->first;
-    for (int seq = u->first; seq < u->end; seq++)
+    for (int seq = u->first; seq < u->end && p->state == NULL; seq++)
         if (p->unit_rows[seq] < end_row && p->unit_rows[seq] + p->query_lens[seq] > first_row) {
             staged->first = seq < staged->first ? seq : staged->first;
             staged->end = seq + 1;
@@ -394,10 +395,17 @@ static void attend_segment(const char *segment, const int *limit, float scale_lo
     }
 }
 
-/* Each real row's output: its accumulator row over its sum, as bf16. */
+/* Each real row's output: its accumulator row over its sum, as bf16; in prefix-state mode its
+ * max (natural units), sum and accumulator row. */
 static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
     store_accumulators(b);
-    for (int r = 0; r < block->rows; r++) {
+    for (int r = 0; r < block->rows && p->state != NULL; r++) {
+        float *state = p->state + (block->packed[r] * p->num_heads + block->head[r]) * (HEAD_DIM + 2);
+        state[0] = b->max[r] * 0.6931471805599453f;
+        state[1] = _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r));
+        memcpy(state + 2, b->acc + r * HEAD_DIM, sizeof(float) * HEAD_DIM);
+    }
+    for (int r = 0; r < block->rows && p->state == NULL; r++) {
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r)));
         uint16_t *dst = p->out + (block->packed[r] * p->num_heads + block->head[r]) * HEAD_DIM;
         for (int j = 0; j < HEAD_DIM; j += 16)
@@ -461,6 +469,8 @@ static int plan_units(Problem *p, int num_seqs, const int32_t *groups, int num_g
         if (g < num_groups && groups[3 * g] == seq) {
             u.end = groups[3 * g + 1], u.prefix = groups[3 * g + 2], g++;
             if (u.end > num_seqs || u.end - u.first < 2 || u.prefix < 1) return -STATUS_BAD_GROUP;
+        } else if (p->state != NULL) {
+            return -STATUS_BAD_GROUP; /* prefix-state mode: every sequence in a group */
         }
         for (int member = u.first; member < u.end; member++) {
             const int32_t *table = p->block_tables + (int64_t)member * p->max_blocks;
@@ -548,16 +558,21 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
 
 /* Entry point: see the top of this file. `groups` holds num_groups rows (first, end, prefix), in
  * order and disjoint, over sequences 0 .. num_seqs - 1: members first .. end - 1 (at least two)
- * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns a STATUS_* code; on STATUS_OK every element of every
- * query row of `out` is written. */
+ * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
+ * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written.
+ *
+ * Prefix-state mode (`prefix_state` not NULL; every sequence in a group): the queries attend
+ * their group's prefix alone, and each row's softmax state goes to prefix_state [rows,
+ * num_heads, 66] (max in natural units, sum of exp, the exp-weighted sum of values: what the
+ * decode kernel goes on from), `out` untouched. */
 int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                              const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                              int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
-                             const int32_t *groups, int num_groups) {
+                             const int32_t *groups, int num_groups, float *prefix_state) {
     if (head_dim != HEAD_DIM || !amx_tiles_granted()) return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                 block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
+                 block_tables, context_lens, query_starts, query_lens, NULL, prefix_state, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
@@ -589,8 +604,8 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                              const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                              int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
-                             const int32_t *groups, int num_groups) {
-    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
+                             const int32_t *groups, int num_groups, float *prefix_state) {
+    (void)prefix_state, (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
     (void)query_lens, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks;
     (void)block_size, (void)max_blocks, (void)scale, (void)num_threads, (void)groups, (void)num_groups;
     return STATUS_UNSUPPORTED;
