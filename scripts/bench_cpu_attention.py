@@ -91,6 +91,24 @@ def main(argv: list[str] | None = None) -> None:
     compare_amx(max(3, repeats // 10), scale)
 
 
+def causal_prefill(num_tokens: int, dtype: torch.dtype, scale: float):
+    """One sequence's random prefill, every token a query: q, the pool, an output buffer, the
+    prefill kernels' layout arguments, and SDPA on the same K/V laid out densely."""
+    k_cache = torch.randn(num_tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
+    lens = torch.tensor([num_tokens], dtype=torch.int32)
+    layout = (torch.arange(num_tokens // BLOCK_SIZE, dtype=torch.int32)[None], lens, torch.tensor([0], dtype=torch.int32),
+              lens)
+    dense = [t.view(num_tokens, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None] for t in (k_cache, v_cache)]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], *dense, is_causal=True, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+
+    return q, k_cache, v_cache, torch.empty_like(q), layout, sdpa
+
+
 def compare_prefill(repeats: int, scale: float) -> None:
     """One sequence's causal prefill, every token a query: prefill kernel against SDPA."""
     print(f"\nprefill, one sequence, causal\n{'dtype':<10}{'tokens':>7}{'kernel ms':>11}{'sdpa ms':>9}{'speedup':>9}"
@@ -100,19 +118,7 @@ def compare_prefill(repeats: int, scale: float) -> None:
             print(f"{str(dtype).removeprefix('torch.'):<10} the prefill kernel does not run here (needs AVX-512)")
             continue
         for num_tokens in (512, 2048):
-            k_cache = torch.randn(num_tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
-            v_cache = torch.randn_like(k_cache)
-            q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
-            out = torch.empty_like(q)
-            layout = (torch.arange(num_tokens // BLOCK_SIZE, dtype=torch.int32)[None],
-                      torch.tensor([num_tokens], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                      torch.tensor([num_tokens], dtype=torch.int32))
-            dense = [t.view(num_tokens, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None] for t in (k_cache, v_cache)]
-
-            def sdpa():
-                return F.scaled_dot_product_attention(q.transpose(0, 1)[None], *dense, is_causal=True, scale=scale,
-                                                      enable_gqa=True)[0].transpose(0, 1)
-
+            q, k_cache, v_cache, out, layout, sdpa = causal_prefill(num_tokens, dtype, scale)
             kernel_ms = median_ms(lambda: cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *layout, scale, out),
                                   (), repeats)
             sdpa_ms = median_ms(sdpa, (), repeats)
@@ -170,18 +176,7 @@ def compare_amx(repeats: int, scale: float) -> None:
         print("the AMX kernel does not run here (needs AMX-BF16)")
         return
     for num_tokens in (512, 2048):
-        q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).bfloat16()
-        k_cache = torch.randn(num_tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).bfloat16()
-        v_cache, out = torch.randn_like(k_cache), torch.empty_like(q)
-        lens = torch.tensor([num_tokens], dtype=torch.int32)
-        layout = (torch.arange(num_tokens // BLOCK_SIZE, dtype=torch.int32)[None], lens,
-                  torch.tensor([0], dtype=torch.int32), lens)
-        dense = [t.view(num_tokens, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None] for t in (k_cache, v_cache)]
-
-        def sdpa():
-            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], *dense, is_causal=True, scale=scale,
-                                                  enable_gqa=True)[0].transpose(0, 1)
-
+        q, k_cache, v_cache, out, layout, sdpa = causal_prefill(num_tokens, torch.bfloat16, scale)
         amx_ms = median_ms(lambda: amx_attention.paged_prefill_attention(q, k_cache, v_cache, *layout, scale, out),
                            (), repeats)
         report(f"prefill {num_tokens}", amx_ms, median_ms(sdpa, (), repeats), out, sdpa())

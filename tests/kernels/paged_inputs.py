@@ -46,3 +46,15 @@ def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, de
     q = torch.randn((len(context_lens), num_heads, head_dim), generator=generator).to(dtype)
     tensors = (q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32))
     return tuple(t.to(device) for t in tensors)
+
+
+def shuffled_tables(context_lens, block_size, generator) -> tuple[list[list[int]], int]:
+    """Each sequence's block table, its blocks at random places in a pool of the returned size
+    (two blocks more than the sequences hold)."""
+    counts = [-(-n // block_size) for n in context_lens]
+    order = torch.randperm(sum(counts) + 2, generator=generator).tolist()
+    tables, used = [], 0
+    for count in counts:
+        tables.append(order[used:used + count])
+        used += count
+    return tables, len(order)

@@ -16,6 +16,7 @@ from batchgen.kernels import amx_attention, cpu_attention
 from batchgen.kernels.attention import AmxBackend, ReferenceBackend, make_backend
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import tiny_model
+from tests.kernels.paged_inputs import shuffled_tables
 
 pytestmark = pytest.mark.skipif(not amx_attention.supports(torch.bfloat16, 64),
                                 reason="no AMX-BF16 on this CPU (or no C compiler)")
@@ -27,16 +28,11 @@ def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3,
     (first, end, tokens) in `shared` members first..end-1 hold member first's blocks for their
     first `tokens` positions; slots no sequence holds are NaN."""
     generator = torch.Generator().manual_seed(seed)
-    num_own = [-(-n // block_size) for n in context_lens]
-    order = torch.randperm(sum(num_own) + 2, generator=generator).tolist()
-    tables, used = [], 0
-    for count in num_own:
-        tables.append(order[used:used + count])
-        used += count
+    tables, num_blocks = shuffled_tables(context_lens, block_size, generator)
     for first, end, tokens in shared:
         for member in range(first + 1, end):
             tables[member][:tokens // block_size] = tables[first][:tokens // block_size]
-    shape = (len(order), block_size, num_kv_heads, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
     k_cache = torch.full(shape, float("nan"))
     v_cache = torch.full(shape, float("nan"))
     for table, context in zip(tables, context_lens):
@@ -44,7 +40,7 @@ def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3,
             block, offset = table[position // block_size], position % block_size
             k_cache[block, offset] = torch.randn(num_kv_heads, HEAD_DIM, generator=generator)
             v_cache[block, offset] = torch.randn(num_kv_heads, HEAD_DIM, generator=generator)
-    width = max(num_own) + 1
+    width = max(map(len, tables)) + 1
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=generator)
     return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), block_tables

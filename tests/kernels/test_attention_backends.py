@@ -7,6 +7,7 @@ import torch
 
 from batchgen.kernels import attention
 from batchgen.kernels.attention import AttentionMetadata, NativeBackend, ReferenceBackend, gather_decode
+from tests.kernels.paged_inputs import shuffled_tables
 
 BLOCK_SIZE = 4
 
@@ -16,13 +17,8 @@ def mixed_step(query_lens: list[int], context_lens: list[int], num_decode: int, 
     shuffled blocks (the first `num_decode` decode one token)."""
     generator = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_dim = 4, 2, 8
-    blocks = [-(-n // BLOCK_SIZE) for n in context_lens]
-    order = torch.randperm(sum(blocks) + 2, generator=generator).tolist()
-    tables, used = [], 0
-    for count in blocks:
-        tables.append(order[used:used + count])
-        used += count
-    k_cache = torch.randn(sum(blocks) + 2, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)
+    tables, num_blocks = shuffled_tables(context_lens, BLOCK_SIZE, generator)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)
     v_cache = torch.randn(k_cache.shape, generator=generator)
     written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     for table, num_context in zip(tables, context_lens):
@@ -31,7 +27,7 @@ def mixed_step(query_lens: list[int], context_lens: list[int], num_decode: int, 
     k_cache[~written] = float("nan")  # what an unwritten slot may hold: no kernel may let it leak
     v_cache[~written] = float("nan")
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
-    width = max(blocks)
+    width = max(map(len, tables))
     slots = [tables[s][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
              for s, (num_queries, num_context) in enumerate(zip(query_lens, context_lens))
              for p in range(num_context - num_queries, num_context)]
