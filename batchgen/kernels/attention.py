@@ -58,7 +58,7 @@ class AttentionMetadata:
     block_tables_list: list[list[int]]  # S
     num_decode_seqs: int
     block_size: int
-    decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefixes.decode_groups
+    decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefixes.prefix_groups
 
     @cached_property
     def prefill_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
