@@ -56,16 +56,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (first, end, prefix_tokens), in order and disjoint: chunks first..end-1 (at least two) hold
     the same blocks for their first prefix_tokens positions and every query comes after them.
     `prefix_state` (every chunk in a group): the queries attend their group's prefix alone, each
-    row's softmax state written to it (contiguous float32 [rows, H, D + 2], as
-    `cpu_attention.paged_decode_attention` takes it) instead of to `out`. Returns False, writing
+    row's softmax state written to it (contiguous float32 [R, H, D + 2], R covering every chunk's
+    rows, as `cpu_attention.paged_decode_attention` takes it) instead of to `out`. Returns False, writing
     nothing, where it does not apply (`supports` refuses q's dtype or head size, or q, out or the
     pool is not contiguous)."""
     if not (supports(q.dtype, q.shape[-1]) and k_cache.dtype == q.dtype and q.is_contiguous()
             and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    if prefix_state is not None and (prefix_state.dtype != torch.float32 or not prefix_state.is_contiguous()
-                                     or prefix_state.shape != (*q.shape[:2], q.shape[2] + 2)):
-        raise ValueError(f"prefix_state must be a contiguous float32 tensor of shape {(*q.shape[:2], q.shape[2] + 2)}")
+    if prefix_state is not None:
+        check_prefix_state(prefix_state, q, int((query_starts + query_lens).max()))
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_groups = 0 if groups is None else len(groups)
     status = _load_kernel()(
@@ -77,6 +76,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     check_status("amx paged_prefill_attention", status)
     return True
+
+
+def check_prefix_state(prefix_state: torch.Tensor, q: torch.Tensor, num_rows: int) -> None:
+    """Raises ValueError unless `prefix_state` is a contiguous float32 [R, H, D + 2] tensor with
+    R >= num_rows (the rows of q the chunks' queries reach)."""
+    row_shape = (q.shape[1], q.shape[2] + 2)
+    if (prefix_state.dtype != torch.float32 or not prefix_state.is_contiguous() or prefix_state.dim() != 3
+            or prefix_state.shape[1:] != row_shape or prefix_state.shape[0] < num_rows):
+        raise ValueError(f"prefix_state must be a contiguous float32 tensor of shape (R, {row_shape[0]}, "
+                         f"{row_shape[1]}) with R >= {num_rows}, got {tuple(prefix_state.shape)}")
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,8 @@ def test_what_it_does_not_run_is_left_to_the_caller():
 def shared_prefix_step_logits(model, backend=None, fused: bool = True) -> torch.Tensor:
     """Logits of a prompt's prefill (its first 64 tokens the others' prefix); of a step of six
     prompts that hold those blocks cached, each computing its own tokens (1 to 70); then of a
-    decode step of all seven."""
+    step of all seven decoding beside an eighth prompt's prefill (its own 20 tokens after the
+    prefix)."""
     runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**23, fused_step=fused))
     if backend is not None:
         runner.backend = backend
@@ -198,18 +199,20 @@ def shared_prefix_step_logits(model, backend=None, fused: bool = True) -> torch.
     first.block_table = list(range(6))
     logits = [runner.execute(ScheduledStep([ScheduledSeq(first, len(first))]))]
     seqs, next_block = [first], 6
-    for index, own in enumerate(own_lens):
+    for index, own in enumerate(own_lens + [20]):
         seq = Sequence(index + 1, prefix + [(11 * index + 5 * i) % 500 + 2 for i in range(own)], SamplingParams(), 0.0)
         num_own = own // 16 + 1
         seq.block_table = first.block_table[:4] + list(range(next_block, next_block + num_own))
         seq.num_computed_tokens = len(prefix)
         next_block += num_own
         seqs.append(seq)
+    *seqs, late = seqs
     logits.append(runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq) - len(prefix)) for seq in seqs[1:]])))
     for seq in seqs:
         seq.num_computed_tokens = len(seq)
         seq.token_ids.append(11)
-    logits.append(runner.execute(ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs])))
+    decode_and_prefill = [ScheduledSeq(seq, 1) for seq in seqs] + [ScheduledSeq(late, len(late) - len(prefix))]
+    logits.append(runner.execute(ScheduledStep(decode_and_prefill)))
     return torch.cat(logits).float()
 
 
@@ -230,7 +233,7 @@ def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend
     monkeypatch.setattr(amx_attention, "paged_prefill_attention", recording)
     error = (shared_prefix_step_logits(bf16_model, fused=fused) - expected).abs().max()
     # the second step's five chunks (the one-token prompt is a decode row); the third step's seven
-    # decode rows, through their prefix state
+    # decode rows, through their prefix state, beside a prefill chunk
     assert ([0, 5, 64], False) in groups_seen and ([0, 7, 64], True) in groups_seen
     # the stated tolerance: at most 1.5x the reference backend's bfloat16 error (that of the model's
     # bf16 linear layers, ~3% of the logits' range for this model)
