@@ -26,19 +26,23 @@ from batchgen.kernels.cpu_attention import check_status
 from batchgen.kernels.shared_prefixes import prefix_groups
 
 HEAD_DIM = 64
+UNSUPPORTED = 3  # the kernel's STATUS_UNSUPPORTED
 _ARGTYPES = ([ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
              + [ctypes.c_void_p])
+_DECODE_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 2
 
 
 @functools.cache
 def _load_kernel():
-    """The kernel's entry point, or None where it cannot run."""
+    """The kernel's library (its prefill and decode entry points typed), or None where it cannot run."""
     library = load_library("amx_attention.c")
     if library is None or not library.bg_amx_attention_available():
         return None
     library.bg_amx_prefill_attention.argtypes = _ARGTYPES
-    library.bg_amx_prefill_attention.restype = ctypes.c_int
-    return library.bg_amx_prefill_attention
+    library.bg_amx_decode_attention.argtypes = _DECODE_ARGTYPES
+    for entry in (library.bg_amx_prefill_attention, library.bg_amx_decode_attention):
+        entry.restype = ctypes.c_int
+    return library
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
@@ -67,7 +71,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         check_prefix_state(prefix_state, q, int((query_starts + query_lens).max()))
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_groups = 0 if groups is None else len(groups)
-    status = _load_kernel()(
+    status = _load_kernel().bg_amx_prefill_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), query_starts.data_ptr(), query_lens.data_ptr(), len(query_lens), q.shape[1],
         num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], scale, torch.get_num_threads(),
@@ -86,6 +90,33 @@ def check_prefix_state(prefix_state: torch.Tensor, q: torch.Tensor, num_rows: in
             or prefix_state.shape[1:] != row_shape or prefix_state.shape[0] < num_rows):
         raise ValueError(f"prefix_state must be a contiguous float32 tensor of shape (R, {row_shape[0]}, "
                          f"{row_shape[1]}) with R >= {num_rows}, got {tuple(prefix_state.shape)}")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                           prefix_lens: torch.Tensor | None = None, prefix_state: torch.Tensor | None = None) -> bool:
+    """Decode attention (one query row per sequence) over the paged pool into `out`, as
+    `cpu_attention.paged_decode_attention` computes it: q, out [S, H, D]; optionally from each
+    row's prefix state (`prefix_lens` int32 [S], 0 for none; `prefix_state` float32 [S, H, D + 2]).
+    No K/V is copied: the pool's rows are the tiles' operands. Returns False, writing nothing,
+    where it does not apply (`supports` refuses q, a block size not a multiple of 16, more than
+    16 query heads per kv head, or q, out or the pool not contiguous)."""
+    if not (supports(q.dtype, q.shape[-1]) and k_cache.dtype == q.dtype and q.is_contiguous()
+            and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if prefix_state is not None:
+        check_prefix_state(prefix_state, q, len(q))
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    status = _load_kernel().bg_amx_decode_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), len(q), q.shape[1], num_kv_heads, head_dim, num_blocks, block_size,
+        block_tables.shape[1], scale, torch.get_num_threads(),
+        None if prefix_lens is None else prefix_lens.data_ptr(), None if prefix_state is None else prefix_state.data_ptr(),
+    )
+    if status == UNSUPPORTED:
+        return False
+    check_status("amx paged_decode_attention", status)
+    return True
 
 
 @dataclass(frozen=True)

@@ -293,10 +293,10 @@ def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 class AmxBackend(AttentionBackend):
     """On a CPU with AMX-BF16 (bfloat16, head_dim 64), as `cascade_plan` splits the step: decode
-    rows sharing cached prefix blocks first attend that prefix through the AMX kernel (per group,
-    its softmax state), then every decode row goes through the decode kernel (from that state);
-    prefill chunks go through the AMX kernel, chunks sharing cached prefix blocks attending it
-    together."""
+    rows sharing cached prefix blocks first attend that prefix through the AMX prefill kernel
+    (per group, its softmax state), then every decode row goes through the AMX decode kernel
+    (from that state; the AVX-512 one where the AMX one does not apply); prefill chunks go
+    through the AMX prefill kernel, chunks sharing cached prefix blocks attending it together."""
 
     name = "native"
     shares_prefixes = True
@@ -304,20 +304,25 @@ class AmxBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         plan, num_decode = meta.cascade_plan, meta.num_decode_seqs
         q = q.contiguous()  # transformers' forward hands over q as a [H, T, D] transpose
+        result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         if num_decode:
-            state = {}
-            if plan.decode_groups is not None:
-                prefix_state = torch.empty((num_decode, q.shape[1], q.shape[2] + 2))
-                self.attend(q, k_cache, v_cache, plan.decode_groups, scale, out, prefix_state)
-                state = {"prefix_lens": plan.decode_prefix_lens, "prefix_state": prefix_state}
-            out[:num_decode] = cpu_attention.paged_decode_attention(
-                q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode],
-                scale, **state)
+            self.decode(q, k_cache, v_cache, meta, scale, result[:num_decode])
         if plan.prefill is not None:
-            result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
             self.attend(q, k_cache, v_cache, plan.prefill, scale, result)
-            if result is not out:
-                out[num_decode:] = result[num_decode:]  # the prefill chunks' rows
+        if result is not out:
+            out.copy_(result)
+
+    def decode(self, q, k_cache, v_cache, meta, scale, out) -> None:
+        """The step's decode rows (the first len(out) rows of q) into `out`."""
+        plan, num_decode = meta.cascade_plan, len(out)
+        state = {}
+        if plan.decode_groups is not None:
+            prefix_state = torch.empty((num_decode, q.shape[1], q.shape[2] + 2))
+            self.attend(q, k_cache, v_cache, plan.decode_groups, scale, out, prefix_state)
+            state = {"prefix_lens": plan.decode_prefix_lens, "prefix_state": prefix_state}
+        args = (q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode], scale)
+        if not amx_attention.paged_decode_attention(*args, out, **state):
+            out.copy_(cpu_attention.paged_decode_attention(*args, **state))
 
     @staticmethod
     def attend(q, k_cache, v_cache, seqs, scale, out, prefix_state=None) -> None:

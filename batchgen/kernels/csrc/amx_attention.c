@@ -554,6 +554,277 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
     return status;
 }
 
+/* ---- decode ---- */
+
+/*
+ * Decode on tiles: one query token per sequence, its query heads of a kv head the group's rows.
+ * Nothing is staged: per kv head and key tile (16 positions inside one block),
+ * - scores: the 16 K rows as they lie in the pool are the A operand (rows = keys, dims 0-31
+ *   then 32-63), the group's queries in dim pairs the B operand (columns = query heads), so
+ *   the product is keys x heads;
+ * - values: the 16 V rows as they lie are the B operand (rows = keys, 16 dim pairs each), and
+ *   the probabilities the A operand with a zero beside each: pairs (p, 0) sum the even dims,
+ *   (0, p) the odd dims, into two accumulator tiles per 32 dims.
+ * A work item is a sequence (every kv head), its positions DECODE_TILES key tiles at a time:
+ * the chunk's scores, then the online softmax (log2 units, float32) once per chunk, then its
+ * products with the values, added to the float32 accumulators with the chunk's correction.
+ * Rows of a partial key tile outside the sequence's positions are masked from the scores, and
+ * their V rows replaced by zeros (a stale slot may hold anything, and 0 x NaN is NaN).
+ */
+
+#define DECODE_TILES 4     /* key tiles of 16 positions per chunk */
+#define KEY_TILE 16
+#define MAX_GROUP 16       /* query heads per kv head: one tile's rows */
+#define MIN_DECODE_WORK 4096 /* (position, kv head) pairs below which one thread runs the call */
+
+/* Decode tile registers: the even- and odd-dim accumulators, the probabilities as (p, 0) and
+ * (0, p) pairs, a V operand, the scores, a K operand, a query operand. */
+#define ACC_EVEN 0
+#define ACC_ODD 1
+#define PROBS_EVEN 2
+#define PROBS_ODD 3
+#define V_OPERAND 4
+#define KEY_SCORES 5
+#define K_OPERAND 6
+#define Q_OPERAND 7
+
+typedef struct {
+    _Alignas(64) float scores[DECODE_TILES][KEY_TILE * 16];       /* [key][query head] per key tile */
+    _Alignas(64) uint32_t probs[2][DECODE_TILES][MAX_GROUP * 16];  /* (p, 0) / (0, p) pairs [head][key] */
+    _Alignas(64) uint32_t q_pairs[2][16 * 16];                     /* per 32 dims: [dim pair][query head] */
+    _Alignas(64) float products[4][MAX_GROUP * 16];                /* [32-dim half x even / odd][head][16] */
+    _Alignas(64) uint16_t zeroed_values[2][KEY_TILE * HEAD_DIM];   /* partial key tiles' V rows */
+    _Alignas(64) float acc[MAX_GROUP][4][16];                      /* as products, per head */
+    float max[MAX_GROUP], sum[MAX_GROUP], correction[MAX_GROUP];    /* max in log2 units */
+} DecodeState;
+
+typedef struct {
+    const uint16_t *q;
+    uint16_t *out;
+    const uint16_t *k_cache, *v_cache;
+    const int32_t *block_tables, *context_lens, *prefix_lens;
+    const float *state; /* [seqs, num_heads, 66] the prefix's max (natural units), sum, accumulator */
+    int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
+    float scale_log2;
+} DecodeProblem;
+
+/* A key tile of a chunk: its first slot in the pool and the positions of it the sequence attends. */
+typedef struct {
+    int64_t slot;
+    int first, end; /* rows first .. end - 1 */
+} KeyTile;
+
+static void configure_decode_tiles(int group) {
+    TileConfig config = {.palette_id = 1};
+    for (int t = 0; t < 8; t++) config.rows[t] = KEY_TILE, config.bytes_per_row[t] = 64;
+    config.rows[ACC_EVEN] = config.rows[ACC_ODD] = config.rows[PROBS_EVEN] = config.rows[PROBS_ODD] = (uint8_t)group;
+    _tile_loadconfig(&config);
+}
+
+/* The group's query heads of kv head `kv_head` of sequence `seq` as B operands: per 32 dims, row
+ * k holds each head's dims (2k, 2k + 1) in its column; columns past the group are zero. */
+static void load_decode_queries(const DecodeProblem *p, int seq, int kv_head, int group, DecodeState *d) {
+    memset(d->q_pairs, 0, sizeof(d->q_pairs));
+    for (int g = 0; g < group; g++) {
+        const uint32_t *pairs = (const uint32_t *)(p->q + ((int64_t)seq * p->num_heads + kv_head * group + g) * HEAD_DIM);
+        for (int k = 0; k < HEAD_DIM / 2; k++) d->q_pairs[k / 16][(k % 16) * 16 + g] = pairs[k];
+    }
+}
+
+/* Each head's softmax state at the sequence's first position: its prefix state, or none. */
+static void start_decode_state(const DecodeProblem *p, int seq, int kv_head, int group, DecodeState *d) {
+    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
+    for (int g = 0; g < group; g++) {
+        d->max[g] = -INFINITY, d->sum[g] = 0.0f;
+        memset(d->acc[g], 0, sizeof(d->acc[g]));
+        if (prefix == 0) continue;
+        const float *state = p->state + ((int64_t)seq * p->num_heads + kv_head * group + g) * (HEAD_DIM + 2);
+        d->max[g] = state[0] * 1.4426950408889634f, d->sum[g] = state[1];
+        for (int i = 0; i < HEAD_DIM; i++) d->acc[g][2 * (i / 32) + i % 2][(i % 32) / 2] = state[2 + i];
+    }
+}
+
+/* Scores of the chunk's key tiles with the group's queries, each into d->scores[t] [key][head]. */
+static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, int kv_head, DecodeState *d) {
+    int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
+    for (int t = 0; t < num_tiles; t++) {
+        const uint16_t *keys = p->k_cache + (tiles[t].slot * p->num_kv_heads + kv_head) * HEAD_DIM;
+        _tile_zero(KEY_SCORES);
+        _tile_loadd(K_OPERAND, keys, stride);
+        _tile_loadd(Q_OPERAND, d->q_pairs[0], 64);
+        _tile_dpbf16ps(KEY_SCORES, K_OPERAND, Q_OPERAND);
+        _tile_loadd(K_OPERAND, keys + 32, stride);
+        _tile_loadd(Q_OPERAND, d->q_pairs[1], 64);
+        _tile_dpbf16ps(KEY_SCORES, K_OPERAND, Q_OPERAND);
+        _tile_stored(KEY_SCORES, d->scores[t], 64);
+    }
+}
+
+/* The online softmax over the chunk: each head's new max, its correction of the accumulator and
+ * sum, and its probabilities (bf16, 0 outside each tile's rows) as (p, 0) and (0, p) pairs. */
+static void decode_softmax(const KeyTile *tiles, int num_tiles, int group, float scale_log2, DecodeState *d) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    __mmask16 rows[DECODE_TILES];
+    for (int t = 0; t < num_tiles; t++)
+        rows[t] = (__mmask16)(((1u << tiles[t].end) - 1) & ~((1u << tiles[t].first) - 1));
+    for (int g = 0; g < group; g++) {
+        __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(16)), _mm512_set1_epi32(g));
+        __m512 scores[DECODE_TILES], top = none;
+        for (int t = 0; t < num_tiles; t++) {
+            scores[t] = _mm512_mul_ps(_mm512_mask_i32gather_ps(none, rows[t], column, d->scores[t], 4),
+                                      _mm512_set1_ps(scale_log2));
+            top = _mm512_max_ps(top, scores[t]);
+        }
+        float new_max = fmaxf(d->max[g], _mm512_reduce_max_ps(top));
+        d->correction[g] = d->max[g] == -INFINITY ? 0.0f : exp2f(d->max[g] - new_max);
+        d->max[g] = new_max;
+        __m512 total = _mm512_setzero_ps();
+        for (int t = 0; t < num_tiles; t++) {
+            __m512 probs = _mm512_maskz_mov_ps(rows[t], exp2_16(_mm512_sub_ps(scores[t], _mm512_set1_ps(new_max))));
+            total = _mm512_add_ps(total, probs);
+            __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(probs));
+            _mm512_store_si512(d->probs[0][t] + 16 * g, low);
+            _mm512_store_si512(d->probs[1][t] + 16 * g, _mm512_slli_epi32(low, 16));
+        }
+        d->sum[g] = d->sum[g] * d->correction[g] + _mm512_reduce_add_ps(total);
+    }
+}
+
+/* The chunk's probabilities times its values, added to the corrected accumulators. */
+static void decode_values(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, int kv_head, int group,
+                          DecodeState *d) {
+    int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
+    const uint16_t *values[DECODE_TILES];
+    int64_t strides[DECODE_TILES];
+    for (int t = 0; t < num_tiles; t++) {
+        values[t] = p->v_cache + (tiles[t].slot * p->num_kv_heads + kv_head) * HEAD_DIM, strides[t] = stride;
+        if (tiles[t].first == 0 && tiles[t].end == KEY_TILE) continue;
+        uint16_t *copy = d->zeroed_values[t == 0 ? 0 : 1]; /* only a chunk's first and last tile are partial */
+        memset(copy, 0, sizeof(d->zeroed_values[0]));
+        for (int r = tiles[t].first; r < tiles[t].end; r++)
+            memcpy(copy + r * HEAD_DIM, values[t] + r * (stride / 2), 2 * HEAD_DIM);
+        values[t] = copy, strides[t] = 2 * HEAD_DIM;
+    }
+    for (int half = 0; half < 2; half++) {
+        _tile_zero(ACC_EVEN);
+        _tile_zero(ACC_ODD);
+        for (int t = 0; t < num_tiles; t++) {
+            _tile_loadd(V_OPERAND, values[t] + 32 * half, strides[t]);
+            _tile_loadd(PROBS_EVEN, d->probs[0][t], 64);
+            _tile_dpbf16ps(ACC_EVEN, PROBS_EVEN, V_OPERAND);
+            _tile_loadd(PROBS_ODD, d->probs[1][t], 64);
+            _tile_dpbf16ps(ACC_ODD, PROBS_ODD, V_OPERAND);
+        }
+        _tile_stored(ACC_EVEN, d->products[2 * half], 64);
+        _tile_stored(ACC_ODD, d->products[2 * half + 1], 64);
+    }
+    for (int g = 0; g < group; g++) {
+        __m512 correction = _mm512_set1_ps(d->correction[g]);
+        for (int j = 0; j < 4; j++)
+            _mm512_store_ps(d->acc[g][j], _mm512_fmadd_ps(_mm512_load_ps(d->acc[g][j]), correction,
+                                                          _mm512_load_ps(d->products[j] + 16 * g)));
+    }
+}
+
+/* Sequence `seq`'s output rows: each head's accumulator over its sum, dims back in order, bf16. */
+static void store_decode_rows(const DecodeProblem *p, int seq, int kv_head, int group, const DecodeState *d) {
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int g = 0; g < group; g++) {
+        __m512 inverse = _mm512_set1_ps(1.0f / d->sum[g]);
+        uint16_t *dst = p->out + ((int64_t)seq * p->num_heads + kv_head * group + g) * HEAD_DIM;
+        for (int half = 0; half < 2; half++) {
+            __m512 even = _mm512_load_ps(d->acc[g][2 * half]), odd = _mm512_load_ps(d->acc[g][2 * half + 1]);
+            __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(even, low, odd), inverse);
+            __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(even, high, odd), inverse);
+            _mm256_storeu_si256((__m256i *)(dst + 32 * half), (__m256i)_mm512_cvtneps_pbh(first));
+            _mm256_storeu_si256((__m256i *)(dst + 32 * half + 16), (__m256i)_mm512_cvtneps_pbh(second));
+        }
+    }
+}
+
+/* The key tiles of positions [*pos, end) of a chunk (at most DECODE_TILES), *pos moved past them.
+ * Returns their count, or -STATUS_BAD_BLOCK_ID. */
+static int next_key_tiles(const DecodeProblem *p, const int32_t *table, int *pos, int end, KeyTile *tiles) {
+    int count = 0;
+    while (*pos < end && count < DECODE_TILES) {
+        int tile_start = *pos - *pos % KEY_TILE;
+        int32_t block = table[*pos / p->block_size];
+        if (block < 0 || block >= p->num_blocks) return -STATUS_BAD_BLOCK_ID;
+        tiles[count].slot = (int64_t)block * p->block_size + tile_start % p->block_size;
+        tiles[count].first = *pos - tile_start;
+        tiles[count].end = end - tile_start < KEY_TILE ? end - tile_start : KEY_TILE;
+        *pos = tile_start + tiles[count++].end;
+    }
+    return count;
+}
+
+/* One sequence, every kv head, from its prefix state when it has one. */
+static int decode_sequence(const DecodeProblem *p, int seq, DecodeState *d) {
+    int context_len = p->context_lens[seq], start = p->prefix_lens ? p->prefix_lens[seq] : 0;
+    int group = p->num_heads / p->num_kv_heads;
+    if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size || start < 0 || start >= context_len)
+        return STATUS_BAD_CONTEXT_LEN;
+    const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
+    for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
+        load_decode_queries(p, seq, kv_head, group, d);
+        start_decode_state(p, seq, kv_head, group, d);
+        KeyTile tiles[DECODE_TILES];
+        for (int pos = start; pos < context_len;) {
+            int num_tiles = next_key_tiles(p, table, &pos, context_len, tiles);
+            if (num_tiles < 0) return -num_tiles;
+            decode_scores(p, tiles, num_tiles, kv_head, d);
+            decode_softmax(tiles, num_tiles, group, p->scale_log2, d);
+            decode_values(p, tiles, num_tiles, kv_head, group, d);
+        }
+        store_decode_rows(p, seq, kv_head, group, d);
+    }
+    return STATUS_OK;
+}
+
+/* Decode entry point: out[s] = the attention of q[s] (one token per sequence) over sequence s's
+ * context_lens[s] positions, bf16, head_dim 64; block_size a multiple of 16 and at most 16 query
+ * heads per kv head (else STATUS_UNSUPPORTED, nothing written). `prefix_lens` / `prefix_state`
+ * (both or neither): sequence s's first prefix_lens[s] positions (0 <= them < its context) are
+ * attended already, their softmax state given as [num_seqs, num_heads, 66] rows (max in natural
+ * units, sum of exp, the exp-weighted sum of values); it goes on from there. On STATUS_OK every
+ * element of `out` is written. */
+int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_heads,
+                            int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
+                            float scale, int num_threads, const int32_t *prefix_lens, const float *prefix_state) {
+    int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    if (head_dim != HEAD_DIM || block_size % KEY_TILE || group < 1 || group > MAX_GROUP || !amx_tiles_granted())
+        return STATUS_UNSUPPORTED;
+    DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                       block_tables, context_lens, prefix_lens, prefix_state, num_heads, num_kv_heads, num_blocks,
+                       block_size, max_blocks, scale * 1.4426950408889634f};
+    int64_t work = 0;
+    for (int seq = 0; seq < num_seqs; seq++) work += (int64_t)context_lens[seq] * num_kv_heads;
+    int status = STATUS_OK;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_seqs > 1 && work >= MIN_DECODE_WORK)
+    {
+        DecodeState *d = (DecodeState *)aligned_alloc(64, sizeof(DecodeState));
+        if (d == NULL) {
+#pragma omp atomic write
+            status = STATUS_NO_MEMORY;
+        }
+        configure_decode_tiles(group);
+#pragma omp for schedule(dynamic, 1)
+        for (int seq = 0; seq < num_seqs; seq++) {
+            int code = d ? decode_sequence(&p, seq, d) : STATUS_OK;
+            if (code != STATUS_OK) {
+#pragma omp atomic write
+                status = code;
+            }
+        }
+        _tile_release();
+        free(d);
+    }
+    return status;
+}
+
 int bg_amx_attention_available(void) { return amx_tiles_granted(); }
 
 /* Entry point: see the top of this file. `groups` holds num_groups rows (first, end, prefix), in
@@ -608,6 +879,16 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
     (void)prefix_state, (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
     (void)query_lens, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks;
     (void)block_size, (void)max_blocks, (void)scale, (void)num_threads, (void)groups, (void)num_groups;
+    return STATUS_UNSUPPORTED;
+}
+
+int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_heads,
+                            int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
+                            float scale, int num_threads, const int32_t *prefix_lens, const float *prefix_state) {
+    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)num_seqs;
+    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks;
+    (void)scale, (void)num_threads, (void)prefix_lens, (void)prefix_state;
     return STATUS_UNSUPPORTED;
 }
 
