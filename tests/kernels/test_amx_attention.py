@@ -1,5 +1,6 @@
-"""The AMX prefill kernel against the float64 reference: chunks with and without cached context,
-shared-prefix groups, a softmax whose max keeps moving, and what it refuses. Runs where the CPU
+"""The AMX prefill and decode kernels against the float64 reference: chunks with and without
+cached context, shared-prefix groups, a softmax whose max keeps moving, decode rows from a
+prefix state, and what they refuse. Runs where the CPU
 has AMX-BF16 (the kernel exists nowhere else); then also one model step in bfloat16 against the
 float32 step, no further from it than the reference attention backend in bfloat16."""
 
@@ -183,6 +184,56 @@ def test_what_it_does_not_run_is_left_to_the_caller():
     with pytest.raises(ValueError, match="context length"):
         amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, starts, lens + 1, SCALE,
                                               torch.empty_like(q))
+
+
+def decode(q, k_cache, v_cache, block_tables, context_lens, **prefix):
+    out = torch.full_like(q, float("nan"))
+    assert amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                torch.tensor(context_lens, dtype=torch.int32), SCALE, out, **prefix)
+    return out
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(9, 3, 16), (4, 4, 16), (16, 1, 32)])
+def test_decode_matches_the_reference(num_heads, num_kv_heads, block_size):
+    # contexts ending inside, at and past a key tile and a chunk of four; with the long ones, past
+    # the work that runs on one thread; slots past each context are NaN in the pool
+    context_lens = [1, 15, 16, 17, 63, 64, 65, 200, 700, 1000]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 10, num_heads=num_heads,
+                                                   num_kv_heads=num_kv_heads, block_size=block_size)
+    got = decode(q, k_cache, v_cache, block_tables, context_lens)
+    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 10)) < 2
+
+
+def test_decode_goes_on_from_a_prefix_state():
+    # two groups' prefix states from the prefill kernel: 32 positions (two whole key tiles) and
+    # 20 (ending inside the second tile); a row outside every group starts from nothing
+    context_lens = [40, 37, 90, 25, 21, 30, 77]
+    shared = [(0, 3, 32), (3, 6, 32)]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 7, shared=shared)
+    rows = torch.arange(6, dtype=torch.int32)
+    state = torch.zeros((7, 9, HEAD_DIM + 2))
+    groups = torch.tensor([(0, 3, 32), (3, 6, 20)], dtype=torch.int32)
+    assert amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables[:6],
+                                                 torch.tensor(context_lens[:6], dtype=torch.int32), rows,
+                                                 torch.ones_like(rows), SCALE, torch.empty_like(q), groups, state)
+    got = decode(q, k_cache, v_cache, block_tables, context_lens,
+                 prefix_lens=torch.tensor([32] * 3 + [20] * 3 + [0], dtype=torch.int32), prefix_state=state)
+    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 7)) < 2
+
+
+def test_decode_leaves_what_it_does_not_run_to_the_caller_and_names_bad_input():
+    q, k_cache, v_cache, block_tables = paged_step([20, 30], [1, 1], block_size=4)
+    lens, out = torch.tensor([20, 30], dtype=torch.int32), torch.empty_like(q)
+    assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, out)  # block size 4
+    q, k_cache, v_cache, block_tables = paged_step([20, 30], [1, 1], num_heads=17, num_kv_heads=1)
+    assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE,
+                                                    torch.empty_like(q))  # 17 query heads to a kv head
+    q, k_cache, v_cache, block_tables = paged_step([20, 30], [1, 1])
+    with pytest.raises(ValueError, match="context length"):
+        amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens * 0, SCALE, out)
+    block_tables[1, 1] = len(k_cache)
+    with pytest.raises(ValueError, match="block"):
+        amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, out)
 
 
 def shared_prefix_step_logits(model, backend=None, fused: bool = True) -> torch.Tensor:
