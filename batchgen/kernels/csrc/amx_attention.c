@@ -644,10 +644,27 @@ static void start_decode_state(const DecodeProblem *p, int seq, int kv_head, int
     }
 }
 
-/* Scores of the chunk's key tiles with the group's queries, each into d->scores[t] [key][head]. */
-static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, int kv_head, DecodeState *d) {
+/* Asks for the rows of kv head `kv_head` of key tile `tile` (if any) in `cache`: two lines each. */
+static inline void fetch_key_tile(const DecodeProblem *p, const uint16_t *cache, const KeyTile *tile, int kv_head) {
+    if (tile == NULL) return;
+    int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
+    const char *row = (const char *)(cache + (tile->slot * p->num_kv_heads + kv_head) * HEAD_DIM) + tile->first * stride;
+    for (int r = tile->first; r < tile->end; r++, row += stride) {
+        _mm_prefetch(row, _MM_HINT_T0);
+        _mm_prefetch(row + 64, _MM_HINT_T0);
+    }
+}
+
+/* The next chunk's tile t, or NULL. */
+static inline const KeyTile *next_tile(const KeyTile *next, int num_next, int t) { return t < num_next ? next + t : NULL; }
+
+/* Scores of the chunk's key tiles with the group's queries, each into d->scores[t] [key][head];
+ * the next chunk's K rows asked for meanwhile. */
+static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, const KeyTile *next,
+                          int num_next, int kv_head, DecodeState *d) {
     int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
     for (int t = 0; t < num_tiles; t++) {
+        fetch_key_tile(p, p->k_cache, next_tile(next, num_next, t), kv_head);
         const uint16_t *keys = p->k_cache + (tiles[t].slot * p->num_kv_heads + kv_head) * HEAD_DIM;
         _tile_zero(KEY_SCORES);
         _tile_loadd(K_OPERAND, keys, stride);
@@ -691,13 +708,15 @@ static void decode_softmax(const KeyTile *tiles, int num_tiles, int group, float
     }
 }
 
-/* The chunk's probabilities times its values, added to the corrected accumulators. */
-static void decode_values(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, int kv_head, int group,
-                          DecodeState *d) {
+/* The chunk's probabilities times its values, added to the corrected accumulators; the next
+ * chunk's V rows asked for meanwhile. */
+static void decode_values(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, const KeyTile *next,
+                          int num_next, int kv_head, int group, DecodeState *d) {
     int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
     const uint16_t *values[DECODE_TILES];
     int64_t strides[DECODE_TILES];
     for (int t = 0; t < num_tiles; t++) {
+        fetch_key_tile(p, p->v_cache, next_tile(next, num_next, t), kv_head);
         values[t] = p->v_cache + (tiles[t].slot * p->num_kv_heads + kv_head) * HEAD_DIM, strides[t] = stride;
         if (tiles[t].first == 0 && tiles[t].end == KEY_TILE) continue;
         uint16_t *copy = d->zeroed_values[t == 0 ? 0 : 1]; /* only a chunk's first and last tile are partial */
@@ -770,14 +789,18 @@ static int decode_sequence(const DecodeProblem *p, int seq, DecodeState *d) {
     for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
         load_decode_queries(p, seq, kv_head, group, d);
         start_decode_state(p, seq, kv_head, group, d);
-        KeyTile tiles[DECODE_TILES];
-        for (int pos = start; pos < context_len;) {
-            int num_tiles = next_key_tiles(p, table, &pos, context_len, tiles);
-            if (num_tiles < 0) return -num_tiles;
-            decode_scores(p, tiles, num_tiles, kv_head, d);
+        KeyTile chunks[2][DECODE_TILES];
+        int pos = start, current = 0, num_tiles = next_key_tiles(p, table, &pos, context_len, chunks[0]);
+        while (num_tiles > 0) {
+            const KeyTile *tiles = chunks[current], *next = chunks[current ^ 1];
+            int num_next = next_key_tiles(p, table, &pos, context_len, chunks[current ^ 1]);
+            if (num_next < 0) return -num_next;
+            decode_scores(p, tiles, num_tiles, next, num_next, kv_head, d);
             decode_softmax(tiles, num_tiles, group, p->scale_log2, d);
-            decode_values(p, tiles, num_tiles, kv_head, group, d);
+            decode_values(p, tiles, num_tiles, next, num_next, kv_head, group, d);
+            num_tiles = num_next, current ^= 1;
         }
+        if (num_tiles < 0) return -num_tiles;
         store_decode_rows(p, seq, kv_head, group, d);
     }
     return STATUS_OK;
