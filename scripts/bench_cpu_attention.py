@@ -12,8 +12,9 @@ Then cascade decode: 64 sequences in 4 groups of 16 that share a 1024-token pref
 blocks) and each hold 64 tokens of their own (shared-system's shape), the decode kernel with
 the engine's shared-prefix groups against without.
 
-Then, where the CPU has AMX-BF16, the AMX kernel (bfloat16) on both: the causal prefills against
-SDPA, the cascade decode against the decode kernel's cascade.
+Then, where the CPU has AMX-BF16, the AMX kernels (bfloat16): the causal prefills against SDPA,
+the first decode step against the AVX-512 decode kernel, the cascade decode against the decode
+kernel's cascade.
 
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
@@ -169,8 +170,8 @@ def decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor) -> tor
 
 
 def compare_amx(repeats: int, scale: float) -> None:
-    """The AMX kernel (bfloat16): the causal prefills against SDPA, the cascade decode against the
-    decode kernel's cascade."""
+    """The AMX kernels (bfloat16): the causal prefills against SDPA, the decode step against the
+    AVX-512 decode kernel, the cascade decode against the decode kernel's cascade."""
     print(f"\namx kernel, bfloat16\n{'case':<16}{'amx ms':>8}{'other ms':>10}{'speedup':>9}{'max abs diff':>14}")
     if not amx_attention.supports(torch.bfloat16, HEAD_DIM):
         print("the AMX kernel does not run here (needs AMX-BF16)")
@@ -180,6 +181,11 @@ def compare_amx(repeats: int, scale: float) -> None:
         amx_ms = median_ms(lambda: amx_attention.paged_prefill_attention(q, k_cache, v_cache, *layout, scale, out),
                            (), repeats)
         report(f"prefill {num_tokens}", amx_ms, median_ms(sdpa, (), repeats), out, sdpa())
+    decode_args = (*make_inputs(torch.bfloat16), scale)
+    out = torch.empty_like(decode_args[0])
+    amx_ms = median_ms(lambda: amx_attention.paged_decode_attention(*decode_args, out), (), repeats)
+    report(f"decode {NUM_SEQS}x{CONTEXT_LEN}", amx_ms, median_ms(cpu_attention.paged_decode_attention, decode_args, repeats),
+           out, cpu_attention.paged_decode_attention(*decode_args))
     q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(torch.bfloat16)
     groups, out = decode_groups(block_tables, context_lens), torch.empty_like(q)
     rows = torch.arange(len(q), dtype=torch.int32)

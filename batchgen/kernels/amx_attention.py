@@ -1,7 +1,7 @@
 """Attention on AMX tiles (``csrc/amx_attention.c``): causal attention of a step's prefill
-chunks over the paged pool, and the prefix state of decode rows sharing cached prefix blocks,
-in bfloat16 with head_dim 64, on a CPU with AMX-BF16; and `cascade_plan`, which rows of a step
-go where.
+chunks over the paged pool, the prefix state of decode rows sharing cached prefix blocks, and
+decode rows (from that state or from nothing), in bfloat16 with head_dim 64, on a CPU with
+AMX-BF16; and `cascade_plan`, which rows of a step go where.
 
 Invariants:
 - ``supports()`` never raises: without a compiler, AMX-BF16 or the kernel's permission to use

@@ -1,7 +1,8 @@
 /*
- * Prefill attention on AMX tiles: causal attention of a step's prefill chunks over the paged
- * KV pool, bfloat16, head_dim 64, built where the CPU has AMX-BF16 (elsewhere every call
- * returns STATUS_UNSUPPORTED and bg_amx_attention_available says 0).
+ * Attention on AMX tiles: causal attention of a step's prefill chunks over the paged KV pool,
+ * and decode rows over it (the "decode" section below), bfloat16, head_dim 64, built where the
+ * CPU has AMX-BF16 (elsewhere every call returns STATUS_UNSUPPORTED and
+ * bg_amx_attention_available says 0).
  *
  * Layout (as paged_attention.c): q, out [rows, num_heads, 64]; k_cache, v_cache [num_blocks,
  * block_size, num_kv_heads, 64]; block_tables [num_seqs, max_blocks] int32; sequence s's
