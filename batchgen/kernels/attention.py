@@ -23,9 +23,8 @@ others; "native" batches decode rows through one kernel call that reads the pool
 (compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
 runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512, float32 /
 bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
-head_dim 64, "native" is `AmxBackend`: every prefill chunk through the AMX kernel
-(`amx_attention`), and the shared prefix of decode rows in a group too, the decode kernel going
-on from that state.
+head_dim 64, "native" is `AmxBackend`: every prefill chunk and decode row through the AMX
+kernels (`amx_attention`), the members of a decode group attending their prefix together.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from batchgen.kernels import amx_attention, cpu_attention
-from batchgen.kernels.amx_attention import CascadePlan
+from batchgen.kernels.amx_attention import KernelSeqs
 from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
@@ -69,10 +68,10 @@ class AttentionMetadata:
                 torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
-    def cascade_plan(self) -> CascadePlan:
-        """Which rows `AmxBackend` attends through which kernel; built at the first layer's call,
-        shared by every layer."""
-        return amx_attention.cascade_plan(self)
+    def amx_prefill(self) -> KernelSeqs | None:
+        """The prefill chunks as `AmxBackend` hands them to the AMX kernel; built at the first
+        layer's call, shared by every layer."""
+        return amx_attention.prefill_seqs(self)
 
     @cached_property
     def short_prefill(self) -> PrefillBatch | None:
@@ -292,43 +291,33 @@ def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 
 class AmxBackend(AttentionBackend):
-    """On a CPU with AMX-BF16 (bfloat16, head_dim 64), as `cascade_plan` splits the step: decode
-    rows sharing cached prefix blocks first attend that prefix through the AMX prefill kernel
-    (per group, its softmax state), then every decode row goes through the AMX decode kernel
-    (from that state; the AVX-512 one where the AMX one does not apply); prefill chunks go
-    through the AMX prefill kernel, chunks sharing cached prefix blocks attending it together."""
+    """On a CPU with AMX-BF16 (bfloat16, head_dim 64): decode rows through the AMX decode kernel
+    (rows sharing cached prefix blocks, `decode_groups`, attending the prefix together; the
+    AVX-512 kernel's cascade where the AMX one does not apply), prefill chunks through the AMX
+    prefill kernel, chunks sharing cached prefix blocks attending it together."""
 
     name = "native"
     shares_prefixes = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
-        plan, num_decode = meta.cascade_plan, meta.num_decode_seqs
+        num_decode, prefill = meta.num_decode_seqs, meta.amx_prefill
         q = q.contiguous()  # transformers' forward hands over q as a [H, T, D] transpose
         result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         if num_decode:
-            self.decode(q, k_cache, v_cache, meta, scale, result[:num_decode])
-        if plan.prefill is not None:
-            self.attend(q, k_cache, v_cache, plan.prefill, scale, result)
+            args = (q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode],
+                    scale)
+            decoded = result[:num_decode]
+            if not amx_attention.paged_decode_attention(*args, decoded, groups=meta.decode_groups):
+                decoded.copy_(cpu_attention.paged_decode_attention(*args, groups=meta.decode_groups))
+        if prefill is not None:
+            self.attend(q, k_cache, v_cache, prefill, scale, result)
         if result is not out:
             out.copy_(result)
 
-    def decode(self, q, k_cache, v_cache, meta, scale, out) -> None:
-        """The step's decode rows (the first len(out) rows of q) into `out`."""
-        plan, num_decode = meta.cascade_plan, len(out)
-        state = {}
-        if plan.decode_groups is not None:
-            prefix_state = torch.empty((num_decode, q.shape[1], q.shape[2] + 2))
-            self.attend(q, k_cache, v_cache, plan.decode_groups, scale, out, prefix_state)
-            state = {"prefix_lens": plan.decode_prefix_lens, "prefix_state": prefix_state}
-        args = (q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode], scale)
-        if not amx_attention.paged_decode_attention(*args, out, **state):
-            out.copy_(cpu_attention.paged_decode_attention(*args, **state))
-
     @staticmethod
-    def attend(q, k_cache, v_cache, seqs, scale, out, prefix_state=None) -> None:
+    def attend(q, k_cache, v_cache, seqs, scale, out) -> None:
         if not amx_attention.paged_prefill_attention(q, k_cache, v_cache, seqs.block_tables, seqs.context_lens,
-                                                     seqs.query_starts, seqs.query_lens, scale, out, seqs.groups,
-                                                     prefix_state):
+                                                     seqs.query_starts, seqs.query_lens, scale, out, seqs.groups):
             raise RuntimeError("the AMX attention kernel refused the step (a non-contiguous KV pool?)")
 
 

@@ -30,12 +30,10 @@ _STATUS_MESSAGES = {
     3: "this dtype is not supported by the compiled kernel",
     4: "the kernel could not allocate its scratch memory",
     5: "a shared-prefix group is out of order or range, has one member, is not shorter than a member's context, "
-       "or its members do not hold the same prefix blocks (or a given prefix length is not shorter than its "
-       "context, or comes with groups)",
+       "or its members do not hold the same prefix blocks",
 }
 _ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
-             + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
-# ..., num_threads, groups, num_groups, prefix_lens, prefix_state
+             + [ctypes.c_void_p, ctypes.c_int])  # ..., num_threads, groups, num_groups
 _PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 2
 
 
@@ -87,8 +85,6 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     groups: torch.Tensor | None = None,
-    prefix_lens: torch.Tensor | None = None,
-    prefix_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -96,12 +92,6 @@ def paged_decode_attention(
     order and disjoint: sequences first..end-1 (at least two) hold the same blocks for their
     first ``prefix_tokens`` tokens, fewer than each one's context. That prefix is then read once
     for the whole group (cascade attention); the result is the same attention.
-
-    ``prefix_lens`` / ``prefix_state`` (both or neither; not with ``groups``; where
-    `prefill_supported` says the AVX-512 path runs): sequence s's first ``prefix_lens[s]``
-    tokens (int32, each shorter than its context) are attended already, their softmax state
-    given (float32 [num_seqs, num_heads, head_dim + 2]: max in natural units, sum of exp, the
-    exp-weighted sum of values); the kernel goes on from there over the rest of the context.
 
     ``q``: [num_seqs, num_heads, head_dim], the token at position
     ``context_lens[s] - 1`` whose own K/V are already in the cache;
@@ -128,18 +118,11 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
-    if (prefix_lens is None) != (prefix_state is None) or (prefix_state is not None and (
-            prefix_lens.dtype != torch.int32 or prefix_lens.shape != (num_seqs,) or not prefix_lens.is_contiguous()
-            or prefix_state.dtype != torch.float32 or prefix_state.shape != (num_seqs, num_heads, head_dim + 2)
-            or not prefix_state.is_contiguous())):
-        raise ValueError("prefix_lens and prefix_state go together: contiguous int32 [num_seqs] and float32 "
-                         "[num_seqs, num_heads, head_dim + 2]")
     status = kernel.decode(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, num_blocks, block_size, block_tables.shape[1], scale, _DTYPE_CODES[q.dtype],
         torch.get_num_threads(), None if groups is None else groups.data_ptr(), 0 if groups is None else len(groups),
-        None if prefix_lens is None else prefix_lens.data_ptr(), None if prefix_state is None else prefix_state.data_ptr(),
     )
     check_status("paged_decode_attention", status)
     return out

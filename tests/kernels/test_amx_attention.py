@@ -1,6 +1,6 @@
 """The AMX prefill and decode kernels against the float64 reference: chunks with and without
-cached context, shared-prefix groups, a softmax whose max keeps moving, decode rows from a
-prefix state, and what they refuse. Runs where the CPU
+cached context, shared-prefix groups of chunks and of decode rows, a softmax whose max keeps
+moving, and what they refuse. Runs where the CPU
 has AMX-BF16 (the kernel exists nowhere else); then also one model step in bfloat16 against the
 float32 step, no further from it than the reference attention backend in bfloat16."""
 
@@ -124,27 +124,6 @@ def test_a_groups_rows_need_not_be_adjacent_and_other_rows_are_left_alone():
     assert bf16_error(torch.cat([out[:1], out[2:]]), expected) < 2
 
 
-def test_prefix_state_continued_by_the_decode_kernel_is_the_attention():
-    # two groups of decode rows (one over a prefix inside a block of 4 tokens: 3 blocks)
-    context_lens = [40, 37, 50, 20, 13, 30]
-    shared = [(0, 3, 32), (3, 6, 12)]
-    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 6, shared=shared, block_size=4)
-    rows = torch.arange(6, dtype=torch.int32)
-    contexts = torch.tensor(context_lens, dtype=torch.int32)
-    state = torch.full((6, 9, HEAD_DIM + 2), float("nan"))
-    out = torch.full_like(q, float("nan"))
-    assert amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, contexts, rows, torch.ones_like(rows),
-                                                 SCALE, out, torch.tensor(shared, dtype=torch.int32), state)
-    assert out.isnan().all()  # the state instead of the output
-    got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, SCALE,
-                                               prefix_lens=torch.tensor([32] * 3 + [12] * 3, dtype=torch.int32),
-                                               prefix_state=state)
-    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 6)) < 2
-    with pytest.raises(ValueError, match="group"):  # every row in a group
-        amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, contexts, rows, torch.ones_like(rows),
-                                              SCALE, out, torch.tensor(shared[:1], dtype=torch.int32), state)
-
-
 def test_a_max_that_keeps_rising_rescales_the_sums():
     # keys aligned with the query and growing along the context: scores rise by ~74 (log2 units)
     # from key block to key block, to ~460: far past the kernel's rescale threshold, and past
@@ -186,10 +165,11 @@ def test_what_it_does_not_run_is_left_to_the_caller():
                                               torch.empty_like(q))
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, **prefix):
+def decode(q, k_cache, v_cache, block_tables, context_lens, groups=None):
     out = torch.full_like(q, float("nan"))
+    group_rows = None if groups is None else torch.tensor(groups, dtype=torch.int32).reshape(-1, 3)
     assert amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                torch.tensor(context_lens, dtype=torch.int32), SCALE, out, **prefix)
+                                                torch.tensor(context_lens, dtype=torch.int32), SCALE, out, group_rows)
     return out
 
 
@@ -204,21 +184,31 @@ def test_decode_matches_the_reference(num_heads, num_kv_heads, block_size):
     assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 10)) < 2
 
 
-def test_decode_goes_on_from_a_prefix_state():
-    # two groups' prefix states from the prefill kernel: 32 positions (two whole key tiles) and
-    # 20 (ending inside the second tile); a row outside every group starts from nothing
-    context_lens = [40, 37, 90, 25, 21, 30, 77]
-    shared = [(0, 3, 32), (3, 6, 32)]
-    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 7, shared=shared)
-    rows = torch.arange(6, dtype=torch.int32)
-    state = torch.zeros((7, 9, HEAD_DIM + 2))
-    groups = torch.tensor([(0, 3, 32), (3, 6, 20)], dtype=torch.int32)
-    assert amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables[:6],
-                                                 torch.tensor(context_lens[:6], dtype=torch.int32), rows,
-                                                 torch.ones_like(rows), SCALE, torch.empty_like(q), groups, state)
-    got = decode(q, k_cache, v_cache, block_tables, context_lens,
-                 prefix_lens=torch.tensor([32] * 3 + [20] * 3 + [0], dtype=torch.int32), prefix_state=state)
-    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 7)) < 2
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 1)])
+def test_decode_groups_match_the_reference(num_heads, num_kv_heads):
+    # a group of seven over 32 positions (two whole key tiles; more members than one item's 16
+    # columns hold), one of three over 20 (ending inside the second tile: its members go on from
+    # there), a row outside every group
+    context_lens = [40, 37, 90, 33, 70, 45, 52, 25, 21, 30, 77]
+    shared = [(0, 7, 32), (7, 10, 32)]
+    groups = [(0, 7, 32), (7, 10, 20)]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 11, shared=shared, num_heads=num_heads,
+                                                   num_kv_heads=num_kv_heads)
+    got = decode(q, k_cache, v_cache, block_tables, context_lens, groups)
+    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 11)) < 2
+
+
+@pytest.mark.parametrize("groups", [
+    [(0, 1, 16)],  # one member
+    [(0, 2, 32)],  # member 1 does not hold member 0's second block
+    [(1, 3, 40)],  # not shorter than member 2's context
+    [(1, 3, 16), (0, 2, 16)],  # out of order
+])
+def test_decode_refuses_bad_groups(groups):
+    context_lens = [60, 60, 40]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 3, shared=[(0, 3, 16)])
+    with pytest.raises(ValueError, match="group"):
+        decode(q, k_cache, v_cache, block_tables, context_lens, groups)
 
 
 def test_decode_leaves_what_it_does_not_run_to_the_caller_and_names_bad_input():
@@ -274,18 +264,22 @@ def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend
     expected = shared_prefix_step_logits(model, fused=fused)
     bf16_model = model.to(torch.bfloat16)
     reference_error = (shared_prefix_step_logits(bf16_model, ReferenceBackend(), fused) - expected).abs().max()
-    groups_seen, original = [], amx_attention.paged_prefill_attention
+    groups_seen = []
 
-    def recording(*args):
-        groups, prefix_state = args[-2:]
-        groups_seen.extend((group, prefix_state is not None) for group in groups.tolist())
-        return original(*args)
+    def recording(kernel):
+        def record(*args, **kwargs):
+            groups = kwargs.get("groups", args[-1])
+            groups_seen.extend((kernel.__name__, group) for group in ([] if groups is None else groups.tolist()))
+            return kernel(*args, **kwargs)
+        return record
 
-    monkeypatch.setattr(amx_attention, "paged_prefill_attention", recording)
+    for kernel in (amx_attention.paged_prefill_attention, amx_attention.paged_decode_attention):
+        monkeypatch.setattr(amx_attention, kernel.__name__, recording(kernel))
     error = (shared_prefix_step_logits(bf16_model, fused=fused) - expected).abs().max()
     # the second step's five chunks (the one-token prompt is a decode row); the third step's seven
-    # decode rows, through their prefix state, beside a prefill chunk
-    assert ([0, 5, 64], False) in groups_seen and ([0, 7, 64], True) in groups_seen
+    # decode rows, beside a prefill chunk
+    assert ("paged_prefill_attention", [0, 5, 64]) in groups_seen
+    assert ("paged_decode_attention", [0, 7, 64]) in groups_seen
     # the stated tolerance: at most 1.5x the reference backend's bfloat16 error (that of the model's
     # bf16 linear layers, ~3% of the logits' range for this model)
     assert error <= 1.5 * reference_error

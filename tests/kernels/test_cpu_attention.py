@@ -158,45 +158,6 @@ def test_bad_shared_prefix_groups_are_refused(groups):
                                              groups=torch.tensor(groups, dtype=torch.int32))
 
 
-def prefix_state(q, k_cache, v_cache, block_tables, prefix_lens, scale):
-    """Each row's softmax state over its first prefix_lens[s] tokens ([S, H, D + 2] float32: max,
-    sum of exp, exp-weighted values), in float64 first."""
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    state = torch.zeros(num_seqs, num_heads, head_dim + 2, dtype=torch.float64)
-    for s, prefix in enumerate(prefix_lens.tolist()):
-        if prefix == 0:
-            continue  # no state: the kernel starts afresh
-        positions = torch.arange(prefix)
-        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
-        keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
-        values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
-        scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
-        top = scores.max(dim=1).values
-        weights = torch.exp(scores - top[:, None])
-        state[s, :, 0], state[s, :, 1] = top, weights.sum(dim=1)
-        state[s, :, 2:] = torch.einsum("hl,lhd->hd", weights, values)
-    return state.float()
-
-
-@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
-def test_decode_goes_on_from_a_given_prefix_state(dtype, atol, rtol):
-    if not cpu_attention.prefill_supported(dtype, 64):
-        pytest.skip("the AVX-512 path does not run here")
-    q, k_cache, v_cache, block_tables, contexts = shared_prefix_inputs(dtype, 23, 9, 3, 64, BLOCK_SIZE)
-    prefix_lens = torch.tensor([(s * 7) % int(contexts[s]) for s in range(len(q))], dtype=torch.int32)  # 0 included
-    state = prefix_state(q, k_cache, v_cache, block_tables, prefix_lens, 0.125)
-    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125,
-                                               prefix_lens=prefix_lens, prefix_state=state)
-    expected = reference_attention(q, k_cache, v_cache, block_tables, contexts, 0.125)
-    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
-    with pytest.raises(ValueError, match="prefix length"):  # a prefix as long as a context
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125,
-                                             prefix_lens=contexts.clone(), prefix_state=state)
-    with pytest.raises(ValueError, match="go together"):
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125, prefix_state=state)
-
-
 def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
     """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]

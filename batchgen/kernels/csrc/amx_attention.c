@@ -80,7 +80,6 @@ typedef struct {
     const uint16_t *k_cache, *v_cache;
     const int32_t *block_tables, *context_lens, *query_starts, *query_lens;
     int64_t *unit_rows; /* [num_seqs] each sequence's first row among its unit's rows */
-    float *state;       /* prefix-state mode: [rows, num_heads, 66] each row's softmax state over its prefix */
     int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
     float scale_log2; /* the softmax scale times log2(e) */
 } Problem;
@@ -221,7 +220,7 @@ static int own_keys_seen(const Problem *p, const Unit *u, int seq, int64_t end_r
 static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t first_row, int64_t end_row,
                       Staged *staged) {
     staged->first = u->end, staged->end = u->first;
-    for (int seq = u->first; seq < u->end && p->state == NULL; seq++)
+    for (int seq = u->first; seq < u->end; seq++)
         if (p->unit_rows[seq] < end_row && p->unit_rows[seq] + p->query_lens[seq] > first_row) {
             staged->first = seq < staged->first ? seq : staged->first;
             staged->end = seq + 1;
@@ -396,17 +395,10 @@ static void attend_segment(const char *segment, const int *limit, float scale_lo
     }
 }
 
-/* Each real row's output: its accumulator row over its sum, as bf16; in prefix-state mode its
- * max (natural units), sum and accumulator row. */
+/* Each real row's output: its accumulator row over its sum, as bf16. */
 static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
     store_accumulators(b);
-    for (int r = 0; r < block->rows && p->state != NULL; r++) {
-        float *state = p->state + (block->packed[r] * p->num_heads + block->head[r]) * (HEAD_DIM + 2);
-        state[0] = b->max[r] * 0.6931471805599453f;
-        state[1] = _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r));
-        memcpy(state + 2, b->acc + r * HEAD_DIM, sizeof(float) * HEAD_DIM);
-    }
-    for (int r = 0; r < block->rows && p->state == NULL; r++) {
+    for (int r = 0; r < block->rows; r++) {
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r)));
         uint16_t *dst = p->out + (block->packed[r] * p->num_heads + block->head[r]) * HEAD_DIM;
         for (int j = 0; j < HEAD_DIM; j += 16)
@@ -470,8 +462,6 @@ static int plan_units(Problem *p, int num_seqs, const int32_t *groups, int num_g
         if (g < num_groups && groups[3 * g] == seq) {
             u.end = groups[3 * g + 1], u.prefix = groups[3 * g + 2], g++;
             if (u.end > num_seqs || u.end - u.first < 2 || u.prefix < 1) return -STATUS_BAD_GROUP;
-        } else if (p->state != NULL) {
-            return -STATUS_BAD_GROUP; /* prefix-state mode: every sequence in a group */
         }
         for (int member = u.first; member < u.end; member++) {
             const int32_t *table = p->block_tables + (int64_t)member * p->max_blocks;
@@ -558,25 +548,29 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
 /* ---- decode ---- */
 
 /*
- * Decode on tiles: one query token per sequence, its query heads of a kv head the group's rows.
- * Nothing is staged: per kv head and key tile (16 positions inside one block),
+ * Decode on tiles: one query token per sequence. A column is a (sequence, query head) pair of
+ * one kv head; up to 16 columns attend together. Nothing is staged: per kv head and key tile
+ * (16 positions inside one block),
  * - scores: the 16 K rows as they lie in the pool are the A operand (rows = keys, dims 0-31
- *   then 32-63), the group's queries in dim pairs the B operand (columns = query heads), so
- *   the product is keys x heads;
- * - values: the 16 V rows as they lie are the B operand (rows = keys, 16 dim pairs each), and
- *   the probabilities the A operand with a zero beside each: pairs (p, 0) sum the even dims,
- *   (0, p) the odd dims, into two accumulator tiles per 32 dims.
- * A work item is a sequence (every kv head), its positions DECODE_TILES key tiles at a time:
- * the chunk's scores, then the online softmax (log2 units, float32) once per chunk, then its
- * products with the values, added to the float32 accumulators with the chunk's correction.
- * Rows of a partial key tile outside the sequence's positions are masked from the scores, and
- * their V rows replaced by zeros (a stale slot may hold anything, and 0 x NaN is NaN).
+ *   then 32-63), the columns' queries in dim pairs the B operand, so the product is keys x
+ *   columns;
+ * - values: the 16 V rows as they lie are the B operand (rows = keys, 16 dim pairs each), the
+ *   columns' probabilities the A operand with a zero beside each: pairs (p, 0) sum the even
+ *   dims, (0, p) the odd dims, into two accumulator tiles per 32 dims.
+ * A work item is a lone sequence, or up to 16 / group members of a group (sequences holding the
+ * same blocks for their first `prefix` positions): per kv head, all its columns attend the
+ * prefix together (its K/V read once for them all), then each member's columns go on over its
+ * own positions. Positions go DECODE_TILES key tiles at a time: the chunk's scores, the online
+ * softmax (log2 units, float32) of the attending columns, then the products with the values,
+ * added to their float32 accumulators with the chunk's correction. Rows of a partial key tile
+ * outside the attended positions are masked from the scores, and their V rows replaced by
+ * zeros (a stale slot may hold anything, and 0 x NaN is NaN).
  */
 
-#define DECODE_TILES 4     /* key tiles of 16 positions per chunk */
+#define DECODE_TILES 4         /* key tiles of 16 positions per chunk */
 #define KEY_TILE 16
-#define MAX_GROUP 16       /* query heads per kv head: one tile's rows */
-#define MIN_DECODE_WORK 4096 /* (position, kv head) pairs below which one thread runs the call */
+#define MAX_COLUMNS 16         /* one tile's rows */
+#define MIN_DECODE_WORK 4096   /* (position, kv head) pairs below which one thread runs the call */
 
 /* Decode tile registers: the even- and odd-dim accumulators, the probabilities as (p, 0) and
  * (0, p) pairs, a V operand, the scores, a K operand, a query operand. */
@@ -590,58 +584,62 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
 #define Q_OPERAND 7
 
 typedef struct {
-    _Alignas(64) float scores[DECODE_TILES][KEY_TILE * 16];       /* [key][query head] per key tile */
-    _Alignas(64) uint32_t probs[2][DECODE_TILES][MAX_GROUP * 16];  /* (p, 0) / (0, p) pairs [head][key] */
-    _Alignas(64) uint32_t q_pairs[2][16 * 16];                     /* per 32 dims: [dim pair][query head] */
-    _Alignas(64) float products[4][MAX_GROUP * 16];                /* [32-dim half x even / odd][head][16] */
-    _Alignas(64) uint16_t zeroed_values[2][KEY_TILE * HEAD_DIM];   /* partial key tiles' V rows */
-    _Alignas(64) float acc[MAX_GROUP][4][16];                      /* as products, per head */
-    float max[MAX_GROUP], sum[MAX_GROUP], correction[MAX_GROUP];    /* max in log2 units */
+    _Alignas(64) float scores[DECODE_TILES][KEY_TILE * 16];         /* [key][column] per key tile */
+    _Alignas(64) uint32_t probs[2][DECODE_TILES][MAX_COLUMNS * 16];  /* (p, 0) / (0, p) pairs [column][key] */
+    _Alignas(64) uint32_t q_pairs[2][16 * 16];                       /* per 32 dims: [dim pair][column] */
+    _Alignas(64) float products[4][MAX_COLUMNS * 16];                /* [32-dim half x even / odd][column][16] */
+    _Alignas(64) uint16_t zeroed_values[2][KEY_TILE * HEAD_DIM];     /* partial key tiles' V rows */
+    _Alignas(64) float column_scores[MAX_COLUMNS][DECODE_TILES * 16]; /* a chunk's scores per column, log2 units */
+    _Alignas(64) float acc[MAX_COLUMNS][4][16];                      /* as products, per column */
+    _Alignas(64) float max[MAX_COLUMNS];                             /* log2 units; -inf: nothing attended */
+    _Alignas(64) float correction[MAX_COLUMNS];                      /* the chunk's factor of acc and sum */
+    float sum[MAX_COLUMNS];
 } DecodeState;
 
 typedef struct {
     const uint16_t *q;
     uint16_t *out;
     const uint16_t *k_cache, *v_cache;
-    const int32_t *block_tables, *context_lens, *prefix_lens;
-    const float *state; /* [seqs, num_heads, 66] the prefix's max (natural units), sum, accumulator */
-    int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
+    const int32_t *block_tables, *context_lens;
+    int num_heads, num_kv_heads, group, num_blocks, block_size, max_blocks;
     float scale_log2;
 } DecodeProblem;
 
-/* A key tile of a chunk: its first slot in the pool and the positions of it the sequence attends. */
+/* Sequences first .. first + count - 1 holding the same blocks for their first `prefix`
+ * positions (a lone sequence: count 1, prefix 0). */
+typedef struct {
+    int first, count, prefix;
+} DecodeItem;
+
+/* A key tile of a chunk: its first slot in the pool and the rows of it that are attended. */
 typedef struct {
     int64_t slot;
     int first, end; /* rows first .. end - 1 */
 } KeyTile;
 
-static void configure_decode_tiles(int group) {
+/* The attending columns first .. end - 1 of an item. */
+typedef struct {
+    int first, end;
+} ColumnRange;
+
+static void configure_decode_tiles(int columns) {
     TileConfig config = {.palette_id = 1};
     for (int t = 0; t < 8; t++) config.rows[t] = KEY_TILE, config.bytes_per_row[t] = 64;
-    config.rows[ACC_EVEN] = config.rows[ACC_ODD] = config.rows[PROBS_EVEN] = config.rows[PROBS_ODD] = (uint8_t)group;
+    config.rows[ACC_EVEN] = config.rows[ACC_ODD] = config.rows[PROBS_EVEN] = config.rows[PROBS_ODD] = (uint8_t)columns;
     _tile_loadconfig(&config);
 }
 
-/* The group's query heads of kv head `kv_head` of sequence `seq` as B operands: per 32 dims, row
- * k holds each head's dims (2k, 2k + 1) in its column; columns past the group are zero. */
-static void load_decode_queries(const DecodeProblem *p, int seq, int kv_head, int group, DecodeState *d) {
+/* The item's queries of kv head `kv_head` as B operands (column m * group + g: member m, the kv
+ * head's query head g): per 32 dims, row k holds each column's dims (2k, 2k + 1); columns past
+ * the item's are zero. Every column's softmax state starts empty. */
+static void start_columns(const DecodeProblem *p, const DecodeItem *item, int kv_head, DecodeState *d) {
     memset(d->q_pairs, 0, sizeof(d->q_pairs));
-    for (int g = 0; g < group; g++) {
-        const uint32_t *pairs = (const uint32_t *)(p->q + ((int64_t)seq * p->num_heads + kv_head * group + g) * HEAD_DIM);
-        for (int k = 0; k < HEAD_DIM / 2; k++) d->q_pairs[k / 16][(k % 16) * 16 + g] = pairs[k];
-    }
-}
-
-/* Each head's softmax state at the sequence's first position: its prefix state, or none. */
-static void start_decode_state(const DecodeProblem *p, int seq, int kv_head, int group, DecodeState *d) {
-    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
-    for (int g = 0; g < group; g++) {
-        d->max[g] = -INFINITY, d->sum[g] = 0.0f;
-        memset(d->acc[g], 0, sizeof(d->acc[g]));
-        if (prefix == 0) continue;
-        const float *state = p->state + ((int64_t)seq * p->num_heads + kv_head * group + g) * (HEAD_DIM + 2);
-        d->max[g] = state[0] * 1.4426950408889634f, d->sum[g] = state[1];
-        for (int i = 0; i < HEAD_DIM; i++) d->acc[g][2 * (i / 32) + i % 2][(i % 32) / 2] = state[2 + i];
+    memset(d->acc, 0, sizeof(d->acc));
+    for (int c = 0; c < MAX_COLUMNS; c++) d->max[c] = -INFINITY, d->sum[c] = 0.0f;
+    for (int c = 0; c < item->count * p->group; c++) {
+        int64_t row = (int64_t)(item->first + c / p->group) * p->num_heads + kv_head * p->group + c % p->group;
+        const uint32_t *pairs = (const uint32_t *)(p->q + row * HEAD_DIM);
+        for (int k = 0; k < HEAD_DIM / 2; k++) d->q_pairs[k / 16][(k % 16) * 16 + c] = pairs[k];
     }
 }
 
@@ -659,8 +657,8 @@ static inline void fetch_key_tile(const DecodeProblem *p, const uint16_t *cache,
 /* The next chunk's tile t, or NULL. */
 static inline const KeyTile *next_tile(const KeyTile *next, int num_next, int t) { return t < num_next ? next + t : NULL; }
 
-/* Scores of the chunk's key tiles with the group's queries, each into d->scores[t] [key][head];
- * the next chunk's K rows asked for meanwhile. */
+/* Scores of the chunk's key tiles with every column's query, each into d->scores[t]
+ * [key][column]; the next chunk's K rows asked for meanwhile. */
 static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, const KeyTile *next,
                           int num_next, int kv_head, DecodeState *d) {
     int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
@@ -678,41 +676,53 @@ static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_
     }
 }
 
-/* The online softmax over the chunk: each head's new max, its correction of the accumulator and
- * sum, and its probabilities (bf16, 0 outside each tile's rows) as (p, 0) and (0, p) pairs. */
-static void decode_softmax(const KeyTile *tiles, int num_tiles, int group, float scale_log2, DecodeState *d) {
+/* The online softmax of the attending columns over the chunk: each one's new max, its
+ * correction of the accumulator and sum, and its probabilities (bf16, 0 outside each tile's
+ * attended rows) as (p, 0) and (0, p) pairs. The chunk's scores of each column are gathered
+ * from d->scores into d->column_scores first, then the corrections computed for all columns
+ * at once. */
+static void decode_softmax(const KeyTile *tiles, int num_tiles, ColumnRange columns, float scale_log2, DecodeState *d) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 none = _mm512_set1_ps(-INFINITY);
     __mmask16 rows[DECODE_TILES];
     for (int t = 0; t < num_tiles; t++)
         rows[t] = (__mmask16)(((1u << tiles[t].end) - 1) & ~((1u << tiles[t].first) - 1));
-    for (int g = 0; g < group; g++) {
-        __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(16)), _mm512_set1_epi32(g));
-        __m512 scores[DECODE_TILES], top = none;
+    _Alignas(64) float new_max[MAX_COLUMNS];
+    memcpy(new_max, d->max, sizeof(new_max));
+    for (int c = columns.first; c < columns.end; c++) {
+        __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(16)), _mm512_set1_epi32(c));
+        __m512 top = none;
         for (int t = 0; t < num_tiles; t++) {
-            scores[t] = _mm512_mul_ps(_mm512_mask_i32gather_ps(none, rows[t], column, d->scores[t], 4),
-                                      _mm512_set1_ps(scale_log2));
-            top = _mm512_max_ps(top, scores[t]);
+            __m512 scores = _mm512_mul_ps(_mm512_mask_i32gather_ps(none, rows[t], column, d->scores[t], 4),
+                                          _mm512_set1_ps(scale_log2));
+            _mm512_store_ps(d->column_scores[c] + 16 * t, scores);
+            top = _mm512_max_ps(top, scores);
         }
-        float new_max = fmaxf(d->max[g], _mm512_reduce_max_ps(top));
-        d->correction[g] = d->max[g] == -INFINITY ? 0.0f : exp2f(d->max[g] - new_max);
-        d->max[g] = new_max;
-        __m512 total = _mm512_setzero_ps();
+        new_max[c] = fmaxf(new_max[c], _mm512_reduce_max_ps(top));
+    }
+    __m512 old_max = _mm512_load_ps(d->max), moved_max = _mm512_load_ps(new_max);
+    __mmask16 started = _mm512_cmp_ps_mask(old_max, none, _CMP_NEQ_OQ);
+    _mm512_store_ps(d->correction, _mm512_maskz_mov_ps(started, exp2_16(_mm512_sub_ps(old_max, moved_max))));
+    _mm512_store_ps(d->max, moved_max);
+    for (int c = columns.first; c < columns.end; c++) {
+        __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max[c]);
         for (int t = 0; t < num_tiles; t++) {
-            __m512 probs = _mm512_maskz_mov_ps(rows[t], exp2_16(_mm512_sub_ps(scores[t], _mm512_set1_ps(new_max))));
+            __m512 probs = _mm512_maskz_mov_ps(rows[t], exp2_16(_mm512_sub_ps(_mm512_load_ps(d->column_scores[c] + 16 * t),
+                                                                               shift)));
             total = _mm512_add_ps(total, probs);
             __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(probs));
-            _mm512_store_si512(d->probs[0][t] + 16 * g, low);
-            _mm512_store_si512(d->probs[1][t] + 16 * g, _mm512_slli_epi32(low, 16));
+            _mm512_store_si512(d->probs[0][t] + 16 * c, low);
+            _mm512_store_si512(d->probs[1][t] + 16 * c, _mm512_slli_epi32(low, 16));
         }
-        d->sum[g] = d->sum[g] * d->correction[g] + _mm512_reduce_add_ps(total);
+        d->sum[c] = d->sum[c] * d->correction[c] + _mm512_reduce_add_ps(total);
     }
 }
 
-/* The chunk's probabilities times its values, added to the corrected accumulators; the next
- * chunk's V rows asked for meanwhile. */
+/* The chunk's probabilities times its values, added to the attending columns' corrected
+ * accumulators (the other columns' product rows are ignored); the next chunk's V rows asked for
+ * meanwhile. */
 static void decode_values(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, const KeyTile *next,
-                          int num_next, int kv_head, int group, DecodeState *d) {
+                          int num_next, int kv_head, ColumnRange columns, DecodeState *d) {
     int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
     const uint16_t *values[DECODE_TILES];
     int64_t strides[DECODE_TILES];
@@ -739,28 +749,11 @@ static void decode_values(const DecodeProblem *p, const KeyTile *tiles, int num_
         _tile_stored(ACC_EVEN, d->products[2 * half], 64);
         _tile_stored(ACC_ODD, d->products[2 * half + 1], 64);
     }
-    for (int g = 0; g < group; g++) {
-        __m512 correction = _mm512_set1_ps(d->correction[g]);
+    for (int c = columns.first; c < columns.end; c++) {
+        __m512 correction = _mm512_set1_ps(d->correction[c]);
         for (int j = 0; j < 4; j++)
-            _mm512_store_ps(d->acc[g][j], _mm512_fmadd_ps(_mm512_load_ps(d->acc[g][j]), correction,
-                                                          _mm512_load_ps(d->products[j] + 16 * g)));
-    }
-}
-
-/* Sequence `seq`'s output rows: each head's accumulator over its sum, dims back in order, bf16. */
-static void store_decode_rows(const DecodeProblem *p, int seq, int kv_head, int group, const DecodeState *d) {
-    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-    for (int g = 0; g < group; g++) {
-        __m512 inverse = _mm512_set1_ps(1.0f / d->sum[g]);
-        uint16_t *dst = p->out + ((int64_t)seq * p->num_heads + kv_head * group + g) * HEAD_DIM;
-        for (int half = 0; half < 2; half++) {
-            __m512 even = _mm512_load_ps(d->acc[g][2 * half]), odd = _mm512_load_ps(d->acc[g][2 * half + 1]);
-            __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(even, low, odd), inverse);
-            __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(even, high, odd), inverse);
-            _mm256_storeu_si256((__m256i *)(dst + 32 * half), (__m256i)_mm512_cvtneps_pbh(first));
-            _mm256_storeu_si256((__m256i *)(dst + 32 * half + 16), (__m256i)_mm512_cvtneps_pbh(second));
-        }
+            _mm512_store_ps(d->acc[c][j], _mm512_fmadd_ps(_mm512_load_ps(d->acc[c][j]), correction,
+                                                          _mm512_load_ps(d->products[j] + 16 * c)));
     }
 }
 
@@ -780,64 +773,104 @@ static int next_key_tiles(const DecodeProblem *p, const int32_t *table, int *pos
     return count;
 }
 
-/* One sequence, every kv head, from its prefix state when it has one. */
-static int decode_sequence(const DecodeProblem *p, int seq, DecodeState *d) {
-    int context_len = p->context_lens[seq], start = p->prefix_lens ? p->prefix_lens[seq] : 0;
-    int group = p->num_heads / p->num_kv_heads;
-    if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size || start < 0 || start >= context_len)
-        return STATUS_BAD_CONTEXT_LEN;
-    const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
-        load_decode_queries(p, seq, kv_head, group, d);
-        start_decode_state(p, seq, kv_head, group, d);
-        KeyTile chunks[2][DECODE_TILES];
-        int pos = start, current = 0, num_tiles = next_key_tiles(p, table, &pos, context_len, chunks[0]);
-        while (num_tiles > 0) {
-            const KeyTile *tiles = chunks[current], *next = chunks[current ^ 1];
-            int num_next = next_key_tiles(p, table, &pos, context_len, chunks[current ^ 1]);
-            if (num_next < 0) return -num_next;
-            decode_scores(p, tiles, num_tiles, next, num_next, kv_head, d);
-            decode_softmax(tiles, num_tiles, group, p->scale_log2, d);
-            decode_values(p, tiles, num_tiles, next, num_next, kv_head, group, d);
-            num_tiles = num_next, current ^= 1;
+/* `columns` attend positions [start, end) of the sequence with `table`, kv head `kv_head`. */
+static int attend_positions(const DecodeProblem *p, const int32_t *table, int start, int end, int kv_head,
+                            ColumnRange columns, DecodeState *d) {
+    KeyTile chunks[2][DECODE_TILES];
+    int pos = start, current = 0, num_tiles = next_key_tiles(p, table, &pos, end, chunks[0]);
+    while (num_tiles > 0) {
+        const KeyTile *tiles = chunks[current], *next = chunks[current ^ 1];
+        int num_next = next_key_tiles(p, table, &pos, end, chunks[current ^ 1]);
+        if (num_next < 0) return -num_next;
+        decode_scores(p, tiles, num_tiles, next, num_next, kv_head, d);
+        decode_softmax(tiles, num_tiles, columns, p->scale_log2, d);
+        decode_values(p, tiles, num_tiles, next, num_next, kv_head, columns, d);
+        num_tiles = num_next, current ^= 1;
+    }
+    return num_tiles < 0 ? -num_tiles : STATUS_OK;
+}
+
+/* Sequence `seq`'s output rows of kv head `kv_head`, from columns first ..: each one's
+ * accumulator over its sum, dims back in order, bf16. */
+static void store_decode_rows(const DecodeProblem *p, int seq, int kv_head, int first, const DecodeState *d) {
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int g = 0; g < p->group; g++) {
+        int c = first + g;
+        __m512 inverse = _mm512_set1_ps(1.0f / d->sum[c]);
+        uint16_t *dst = p->out + ((int64_t)seq * p->num_heads + kv_head * p->group + g) * HEAD_DIM;
+        for (int half = 0; half < 2; half++) {
+            __m512 even = _mm512_load_ps(d->acc[c][2 * half]), odd = _mm512_load_ps(d->acc[c][2 * half + 1]);
+            __m512 first_dims = _mm512_mul_ps(_mm512_permutex2var_ps(even, low, odd), inverse);
+            __m512 second_dims = _mm512_mul_ps(_mm512_permutex2var_ps(even, high, odd), inverse);
+            _mm256_storeu_si256((__m256i *)(dst + 32 * half), (__m256i)_mm512_cvtneps_pbh(first_dims));
+            _mm256_storeu_si256((__m256i *)(dst + 32 * half + 16), (__m256i)_mm512_cvtneps_pbh(second_dims));
         }
-        if (num_tiles < 0) return -num_tiles;
-        store_decode_rows(p, seq, kv_head, group, d);
+    }
+}
+
+/* One item, every kv head: the shared prefix for all its columns, then each member's own
+ * positions for its columns. */
+static int decode_item(const DecodeProblem *p, const DecodeItem *item, DecodeState *d) {
+    configure_decode_tiles(item->count * p->group);
+    const int32_t *tables = p->block_tables;
+    for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
+        start_columns(p, item, kv_head, d);
+        ColumnRange all = {0, item->count * p->group};
+        int code = attend_positions(p, tables + (int64_t)item->first * p->max_blocks, 0, item->prefix, kv_head, all, d);
+        for (int m = 0; m < item->count && code == STATUS_OK; m++) {
+            int seq = item->first + m;
+            ColumnRange own = {m * p->group, (m + 1) * p->group};
+            code = attend_positions(p, tables + (int64_t)seq * p->max_blocks, item->prefix, p->context_lens[seq], kv_head,
+                                    own, d);
+            store_decode_rows(p, seq, kv_head, own.first, d);
+        }
+        if (code != STATUS_OK) return code;
     }
     return STATUS_OK;
 }
 
-/* Decode entry point: out[s] = the attention of q[s] (one token per sequence) over sequence s's
- * context_lens[s] positions, bf16, head_dim 64; block_size a multiple of 16 and at most 16 query
- * heads per kv head (else STATUS_UNSUPPORTED, nothing written). `prefix_lens` / `prefix_state`
- * (both or neither): sequence s's first prefix_lens[s] positions (0 <= them < its context) are
- * attended already, their softmax state given as [num_seqs, num_heads, 66] rows (max in natural
- * units, sum of exp, the exp-weighted sum of values); it goes on from there. On STATUS_OK every
- * element of `out` is written. */
-int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_heads,
-                            int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
-                            float scale, int num_threads, const int32_t *prefix_lens, const float *prefix_state) {
-    int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-    if (head_dim != HEAD_DIM || block_size % KEY_TILE || group < 1 || group > MAX_GROUP || !amx_tiles_granted())
-        return STATUS_UNSUPPORTED;
-    DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                       block_tables, context_lens, prefix_lens, prefix_state, num_heads, num_kv_heads, num_blocks,
-                       block_size, max_blocks, scale * 1.4426950408889634f};
-    int64_t work = 0;
-    for (int seq = 0; seq < num_seqs; seq++) work += (int64_t)context_lens[seq] * num_kv_heads;
+/* Checks the sequences and groups, and lays out the work items (as many as returned, into
+ * `items`): each group's members in runs of MAX_COLUMNS / group, every other sequence alone.
+ * Returns -STATUS_* when an input is refused. */
+static int plan_decode_items(const DecodeProblem *p, int num_seqs, const int32_t *groups, int num_groups,
+                             DecodeItem *items) {
+    int num_items = 0, g = 0, per_item = MAX_COLUMNS / p->group, bs = p->block_size;
+    for (int seq = 0; seq < num_seqs; seq++)
+        if (p->context_lens[seq] < 1 || p->context_lens[seq] > (int64_t)p->max_blocks * bs) return -STATUS_BAD_CONTEXT_LEN;
+    for (int seq = 0; seq < num_seqs;) {
+        if (g == num_groups || groups[3 * g] != seq) {
+            items[num_items++] = (DecodeItem){seq++, 1, 0};
+            continue;
+        }
+        int end = groups[3 * g + 1], prefix = groups[3 * g + 2];
+        if (end > num_seqs || end - seq < 2 || prefix < 1) return -STATUS_BAD_GROUP;
+        for (int member = seq; member < end; member++)
+            if (prefix >= p->context_lens[member] || memcmp(p->block_tables + (int64_t)member * p->max_blocks,
+                                                            p->block_tables + (int64_t)seq * p->max_blocks,
+                                                            sizeof(int32_t) * ((prefix + bs - 1) / bs)))
+                return -STATUS_BAD_GROUP;
+        for (int first = seq; first < end; first += per_item)
+            items[num_items++] = (DecodeItem){first, end - first < per_item ? end - first : per_item, prefix};
+        seq = end, g++;
+    }
+    return g == num_groups ? num_items : -STATUS_BAD_GROUP; /* a group out of order or overlapping */
+}
+
+static int run_decode_items(const DecodeProblem *p, const DecodeItem *items, int num_items, int num_threads) {
     int status = STATUS_OK;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_seqs > 1 && work >= MIN_DECODE_WORK)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         DecodeState *d = (DecodeState *)aligned_alloc(64, sizeof(DecodeState));
         if (d == NULL) {
 #pragma omp atomic write
             status = STATUS_NO_MEMORY;
+        } else {
+            memset(d->probs, 0, sizeof(d->probs)); /* rows no column writes stay finite */
         }
-        configure_decode_tiles(group);
 #pragma omp for schedule(dynamic, 1)
-        for (int seq = 0; seq < num_seqs; seq++) {
-            int code = d ? decode_sequence(&p, seq, d) : STATUS_OK;
+        for (int i = 0; i < num_items; i++) {
+            int code = d ? decode_item(p, &items[i], d) : STATUS_OK;
             if (code != STATUS_OK) {
 #pragma omp atomic write
                 status = code;
@@ -849,25 +882,47 @@ int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const
     return status;
 }
 
+/* Decode entry point: out[s] = the attention of q[s] (one token per sequence) over sequence s's
+ * context_lens[s] positions, bf16, head_dim 64; block_size a multiple of 16 and at most 16 query
+ * heads per kv head (else STATUS_UNSUPPORTED, nothing written). `groups` holds num_groups rows
+ * (first, end, prefix), in order and disjoint: sequences first .. end - 1 (at least two) hold
+ * the same blocks for positions [0, prefix), 0 < prefix < each one's context; the prefix is
+ * attended once for up to 16 / group of them. On STATUS_OK every element of `out` is written. */
+int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_heads,
+                            int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
+                            float scale, int num_threads, const int32_t *groups, int num_groups) {
+    int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    if (head_dim != HEAD_DIM || block_size % KEY_TILE || group < 1 || group > MAX_COLUMNS || !amx_tiles_granted())
+        return STATUS_UNSUPPORTED;
+    DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                       block_tables, context_lens, num_heads, num_kv_heads, group, num_blocks, block_size,
+                       max_blocks, scale * 1.4426950408889634f};
+    DecodeItem *items = (DecodeItem *)malloc(sizeof(DecodeItem) * (size_t)(num_seqs > 0 ? num_seqs : 1));
+    if (items == NULL) return STATUS_NO_MEMORY;
+    int num_items = plan_decode_items(&p, num_seqs, groups, num_groups, items);
+    int64_t work = 0;
+    for (int seq = 0; seq < num_seqs && num_items >= 0; seq++) work += (int64_t)context_lens[seq] * num_kv_heads;
+    int status = num_items < 0 ? -num_items
+                               : run_decode_items(&p, items, num_items, work >= MIN_DECODE_WORK ? num_threads : 1);
+    free(items);
+    return status;
+}
+
 int bg_amx_attention_available(void) { return amx_tiles_granted(); }
 
 /* Entry point: see the top of this file. `groups` holds num_groups rows (first, end, prefix), in
  * order and disjoint, over sequences 0 .. num_seqs - 1: members first .. end - 1 (at least two)
  * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
- * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written.
- *
- * Prefix-state mode (`prefix_state` not NULL; every sequence in a group): the queries attend
- * their group's prefix alone, and each row's softmax state goes to prefix_state [rows,
- * num_heads, 66] (max in natural units, sum of exp, the exp-weighted sum of values: what the
- * decode kernel goes on from), `out` untouched. */
+ * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
 int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                              const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                              int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
-                             const int32_t *groups, int num_groups, float *prefix_state) {
+                             const int32_t *groups, int num_groups) {
     if (head_dim != HEAD_DIM || !amx_tiles_granted()) return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                 block_tables, context_lens, query_starts, query_lens, NULL, prefix_state, num_heads, num_kv_heads, num_blocks,
+                 block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
@@ -899,8 +954,8 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                              const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                              int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
-                             const int32_t *groups, int num_groups, float *prefix_state) {
-    (void)prefix_state, (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
+                             const int32_t *groups, int num_groups) {
+    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
     (void)query_lens, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks;
     (void)block_size, (void)max_blocks, (void)scale, (void)num_threads, (void)groups, (void)num_groups;
     return STATUS_UNSUPPORTED;
@@ -909,10 +964,10 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
 int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_heads,
                             int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
-                            float scale, int num_threads, const int32_t *prefix_lens, const float *prefix_state) {
+                            float scale, int num_threads, const int32_t *groups, int num_groups) {
     (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)num_seqs;
     (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks;
-    (void)scale, (void)num_threads, (void)prefix_lens, (void)prefix_state;
+    (void)scale, (void)num_threads, (void)groups, (void)num_groups;
     return STATUS_UNSUPPORTED;
 }
 

@@ -1035,12 +1035,7 @@ static int shared_prefix_tiles(const int32_t *groups, int num_groups, int32_t *t
  * first .. end - 1 share their first prefix_tokens tokens. On the AVX-512 path that prefix is
  * attended once for all members (cascade attention: a column tile of up to PREFILL_TILE members,
  * its K and V read once), then each sequence continues from that state over its own tokens;
- * elsewhere the groups change nothing. The result is the same attention.
- *
- * `prefix_lens_given` / `prefix_state` (both or neither, no groups with them; the AVX-512 path
- * only): sequence s's first prefix_lens_given[s] tokens (0 <= them < its context) are attended
- * already, their softmax state given as [num_seqs, num_heads, head_dim + 2] rows (max in
- * natural units, sum of exp, the accumulator of exp-weighted values); it continues from there. */
+ * elsewhere the groups change nothing. The result is the same attention. */
 /* The next work item of a shared counter, for the thread that calls. */
 static inline int claim_item(int *next_item) {
     int item;
@@ -1053,8 +1048,7 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
                               const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                               int num_heads, int num_kv_heads, int head_dim, int num_blocks,
                               int block_size, int max_blocks, float scale, int dtype, int num_threads,
-                              const int32_t *groups, int num_groups, const int32_t *prefix_lens_given,
-                              const float *prefix_state) {
+                              const int32_t *groups, int num_groups) {
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return STATUS_BAD_DTYPE;
 #endif
@@ -1063,13 +1057,6 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
     if (!groups_are_valid(&p, groups, num_groups)) return STATUS_BAD_GROUP;
     int is_vector = is_vector_problem(&p), group = num_heads / num_kv_heads;
-    if (prefix_state != NULL) {
-        if (!is_vector) return STATUS_BAD_DTYPE;
-        if (num_groups > 0) return STATUS_BAD_GROUP;
-        for (int seq = 0; seq < num_seqs; seq++)
-            if (prefix_lens_given[seq] < 0 || prefix_lens_given[seq] >= context_lens[seq]) return STATUS_BAD_GROUP;
-        p.prefix_lens = prefix_lens_given, p.state = prefix_state;
-    }
     int num_tiles = 0, status = STATUS_OK;
     int32_t *tiles = NULL, *prefix_lens = NULL;
     float *state = NULL;
