@@ -13,8 +13,7 @@ blocks) and each hold 64 tokens of their own (shared-system's shape), the decode
 the engine's shared-prefix groups against without.
 
 Then, where the CPU has AMX-BF16, the AMX kernels (bfloat16): the causal prefills against SDPA,
-the first decode step against the AVX-512 decode kernel, the cascade decode against the decode
-kernel's cascade.
+a decode step and the cascade decode (its groups) against the AVX-512 decode kernel's.
 
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
@@ -170,8 +169,8 @@ def decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor) -> tor
 
 
 def compare_amx(repeats: int, scale: float) -> None:
-    """The AMX kernels (bfloat16): the causal prefills against SDPA, the decode step against the
-    AVX-512 decode kernel, the cascade decode against the decode kernel's cascade."""
+    """The AMX kernels (bfloat16): the causal prefills against SDPA, a decode step and the cascade
+    decode against the AVX-512 decode kernel's."""
     print(f"\namx kernel, bfloat16\n{'case':<16}{'amx ms':>8}{'other ms':>10}{'speedup':>9}{'max abs diff':>14}")
     if not amx_attention.supports(torch.bfloat16, HEAD_DIM):
         print("the AMX kernel does not run here (needs AMX-BF16)")
@@ -188,10 +187,8 @@ def compare_amx(repeats: int, scale: float) -> None:
            out, cpu_attention.paged_decode_attention(*decode_args))
     q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(torch.bfloat16)
     groups, out = decode_groups(block_tables, context_lens), torch.empty_like(q)
-    rows = torch.arange(len(q), dtype=torch.int32)
-    amx_ms = median_ms(lambda: amx_attention.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, context_lens, rows, torch.ones_like(rows), scale, out, groups), (), repeats)
     decode_args = (q, k_cache, v_cache, block_tables, context_lens, scale)
+    amx_ms = median_ms(lambda: amx_attention.paged_decode_attention(*decode_args, out, groups), (), repeats)
     cascade_ms = median_ms(lambda: cpu_attention.paged_decode_attention(*decode_args, groups=groups), (), repeats)
     report("cascade decode", amx_ms, cascade_ms, out, cpu_attention.paged_decode_attention(*decode_args))
 

@@ -584,7 +584,7 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
 #define Q_OPERAND 7
 
 typedef struct {
-    _Alignas(64) float scores[DECODE_TILES][KEY_TILE * 16];         /* [key][column] per key tile */
+    _Alignas(64) float scores[2][DECODE_TILES][KEY_TILE * 16];      /* [key][column] per key tile, two chunks */
     _Alignas(64) uint32_t probs[2][DECODE_TILES][MAX_COLUMNS * 16];  /* (p, 0) / (0, p) pairs [column][key] */
     _Alignas(64) uint32_t q_pairs[2][16 * 16];                       /* per 32 dims: [dim pair][column] */
     _Alignas(64) float products[4][MAX_COLUMNS * 16];                /* [32-dim half x even / odd][column][16] */
@@ -657,13 +657,11 @@ static inline void fetch_key_tile(const DecodeProblem *p, const uint16_t *cache,
 /* The next chunk's tile t, or NULL. */
 static inline const KeyTile *next_tile(const KeyTile *next, int num_next, int t) { return t < num_next ? next + t : NULL; }
 
-/* Scores of the chunk's key tiles with every column's query, each into d->scores[t]
- * [key][column]; the next chunk's K rows asked for meanwhile. */
-static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, const KeyTile *next,
-                          int num_next, int kv_head, DecodeState *d) {
+/* Scores of the chunk's key tiles with every column's query, each into scores[t] [key][column]. */
+static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, int kv_head, DecodeState *d,
+                          float (*scores)[KEY_TILE * 16]) {
     int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
     for (int t = 0; t < num_tiles; t++) {
-        fetch_key_tile(p, p->k_cache, next_tile(next, num_next, t), kv_head);
         const uint16_t *keys = p->k_cache + (tiles[t].slot * p->num_kv_heads + kv_head) * HEAD_DIM;
         _tile_zero(KEY_SCORES);
         _tile_loadd(K_OPERAND, keys, stride);
@@ -672,16 +670,17 @@ static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_
         _tile_loadd(K_OPERAND, keys + 32, stride);
         _tile_loadd(Q_OPERAND, d->q_pairs[1], 64);
         _tile_dpbf16ps(KEY_SCORES, K_OPERAND, Q_OPERAND);
-        _tile_stored(KEY_SCORES, d->scores[t], 64);
+        _tile_stored(KEY_SCORES, scores[t], 64);
     }
 }
 
 /* The online softmax of the attending columns over the chunk: each one's new max, its
  * correction of the accumulator and sum, and its probabilities (bf16, 0 outside each tile's
  * attended rows) as (p, 0) and (0, p) pairs. The chunk's scores of each column are gathered
- * from d->scores into d->column_scores first, then the corrections computed for all columns
+ * from `scores` into d->column_scores first, then the corrections computed for all columns
  * at once. */
-static void decode_softmax(const KeyTile *tiles, int num_tiles, ColumnRange columns, float scale_log2, DecodeState *d) {
+static void decode_softmax(const KeyTile *tiles, int num_tiles, const float (*scores)[KEY_TILE * 16], ColumnRange columns,
+                           float scale_log2, DecodeState *d) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 none = _mm512_set1_ps(-INFINITY);
     __mmask16 rows[DECODE_TILES];
@@ -693,10 +692,10 @@ static void decode_softmax(const KeyTile *tiles, int num_tiles, ColumnRange colu
         __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(16)), _mm512_set1_epi32(c));
         __m512 top = none;
         for (int t = 0; t < num_tiles; t++) {
-            __m512 scores = _mm512_mul_ps(_mm512_mask_i32gather_ps(none, rows[t], column, d->scores[t], 4),
-                                          _mm512_set1_ps(scale_log2));
-            _mm512_store_ps(d->column_scores[c] + 16 * t, scores);
-            top = _mm512_max_ps(top, scores);
+            __m512 gathered = _mm512_mul_ps(_mm512_mask_i32gather_ps(none, rows[t], column, scores[t], 4),
+                                            _mm512_set1_ps(scale_log2));
+            _mm512_store_ps(d->column_scores[c] + 16 * t, gathered);
+            top = _mm512_max_ps(top, gathered);
         }
         new_max[c] = fmaxf(new_max[c], _mm512_reduce_max_ps(top));
     }
@@ -773,17 +772,20 @@ static int next_key_tiles(const DecodeProblem *p, const int32_t *table, int *pos
     return count;
 }
 
-/* `columns` attend positions [start, end) of the sequence with `table`, kv head `kv_head`. */
+/* `columns` attend positions [start, end) of the sequence with `table`, kv head `kv_head`. The
+ * next chunk's scores are asked of the tiles before this chunk's softmax, which does not wait
+ * for them: the two overlap. */
 static int attend_positions(const DecodeProblem *p, const int32_t *table, int start, int end, int kv_head,
                             ColumnRange columns, DecodeState *d) {
     KeyTile chunks[2][DECODE_TILES];
     int pos = start, current = 0, num_tiles = next_key_tiles(p, table, &pos, end, chunks[0]);
+    if (num_tiles > 0) decode_scores(p, chunks[0], num_tiles, kv_head, d, d->scores[0]);
     while (num_tiles > 0) {
         const KeyTile *tiles = chunks[current], *next = chunks[current ^ 1];
         int num_next = next_key_tiles(p, table, &pos, end, chunks[current ^ 1]);
         if (num_next < 0) return -num_next;
-        decode_scores(p, tiles, num_tiles, next, num_next, kv_head, d);
-        decode_softmax(tiles, num_tiles, columns, p->scale_log2, d);
+        if (num_next > 0) decode_scores(p, next, num_next, kv_head, d, d->scores[current ^ 1]);
+        decode_softmax(tiles, num_tiles, (const float (*)[KEY_TILE * 16])d->scores[current], columns, p->scale_log2, d);
         decode_values(p, tiles, num_tiles, next, num_next, kv_head, columns, d);
         num_tiles = num_next, current ^= 1;
     }
