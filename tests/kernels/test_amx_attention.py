@@ -14,7 +14,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
 from batchgen.kernels import amx_attention, cpu_attention
-from batchgen.kernels.attention import AmxBackend, ReferenceBackend, make_backend
+from batchgen.kernels.attention import AmxBackend, AttentionMetadata, ReferenceBackend, make_backend
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import tiny_model
 from tests.kernels.paged_inputs import shuffled_tables
@@ -224,6 +224,23 @@ def test_decode_leaves_what_it_does_not_run_to_the_caller_and_names_bad_input():
     block_tables[1, 1] = len(k_cache)
     with pytest.raises(ValueError, match="block"):
         amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, out)
+
+
+def test_the_backend_decodes_on_the_avx512_kernel_where_the_amx_one_does_not_apply():
+    # blocks of 4 tokens: not whole key tiles, so the decode rows (a group of two among them) go
+    # to the AVX-512 kernel's cascade
+    context_lens = [40, 37, 9]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 3, shared=[(0, 2, 32)], block_size=4)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), query_start_loc=[0, 1, 2, 3],
+                             query_lens=[1] * 3, context_lens_list=context_lens,
+                             context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=block_tables,
+                             block_tables_list=block_tables.tolist(), num_decode_seqs=3, block_size=4,
+                             decode_groups=torch.tensor([[0, 2, 32]], dtype=torch.int32))
+    assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, meta.context_lens, SCALE,
+                                                    torch.empty_like(q), meta.decode_groups)
+    out = torch.full_like(q, float("nan"))
+    AmxBackend().forward(q, None, None, k_cache, v_cache, meta, SCALE, out)
+    assert bf16_error(out, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 3)) < 2
 
 
 def shared_prefix_step_logits(model, backend=None, fused: bool = True) -> torch.Tensor:
