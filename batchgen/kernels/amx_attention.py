@@ -48,6 +48,12 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype == torch.bfloat16 and head_dim == HEAD_DIM and _load_kernel() is not None
 
 
+def _runs_on(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: `supports` q, the pool in q's dtype, all contiguous."""
+    return (supports(q.dtype, q.shape[-1]) and k_cache.dtype == q.dtype and q.is_contiguous()
+            and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
                             scale: float, out: torch.Tensor, groups: torch.Tensor | None = None) -> bool:
@@ -58,8 +64,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the same blocks for their first prefix_tokens positions and every query comes after them.
     Returns False, writing nothing, where it does not apply (`supports` refuses q's dtype or head
     size, or q, out or the pool is not contiguous)."""
-    if not (supports(q.dtype, q.shape[-1]) and k_cache.dtype == q.dtype and q.is_contiguous()
-            and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if not _runs_on(q, k_cache, v_cache, out):
         return False
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_groups = 0 if groups is None else len(groups)
@@ -84,8 +89,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     No K/V is copied: the pool's rows are the tiles' operands. Returns False, writing nothing,
     where it does not apply (`supports` refuses q, a block size not a multiple of 16, more than
     16 query heads per kv head, or q, out or the pool not contiguous)."""
-    if not (supports(q.dtype, q.shape[-1]) and k_cache.dtype == q.dtype and q.is_contiguous()
-            and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if not _runs_on(q, k_cache, v_cache, out):
         return False
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     status = _load_kernel().bg_amx_decode_attention(

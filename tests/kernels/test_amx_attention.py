@@ -13,7 +13,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels import amx_attention
 from batchgen.kernels.attention import AmxBackend, AttentionMetadata, ReferenceBackend, make_backend
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import tiny_model

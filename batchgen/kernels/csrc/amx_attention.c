@@ -112,9 +112,11 @@ typedef struct {
     int is_empty;                                   /* no key block accumulated yet */
 } BlockState;
 
-static void configure_tiles(void) {
+/* Every tile register 64 bytes wide; tmm0-3 (the prefill's accumulators, the decode's
+ * accumulators and probabilities) `low_rows` rows, tmm4-7 16. */
+static void configure_tiles(int low_rows) {
     TileConfig config = {.palette_id = 1};
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    for (int t = 0; t < 8; t++) config.rows[t] = (uint8_t)(t < 4 ? low_rows : 16), config.bytes_per_row[t] = 64;
     _tile_loadconfig(&config);
 }
 
@@ -529,7 +531,7 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
 #pragma omp atomic write
             status = STATUS_NO_MEMORY;
         }
-        configure_tiles();
+        configure_tiles(BLOCK_ROWS);
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < num_items; i++) {
             int code = b && staged.own_keys && staged.own_offsets ? run_item(p, &units[items[i].unit], &items[i], &staged, b)
@@ -622,13 +624,6 @@ typedef struct {
     int first, end;
 } ColumnRange;
 
-static void configure_decode_tiles(int columns) {
-    TileConfig config = {.palette_id = 1};
-    for (int t = 0; t < 8; t++) config.rows[t] = KEY_TILE, config.bytes_per_row[t] = 64;
-    config.rows[ACC_EVEN] = config.rows[ACC_ODD] = config.rows[PROBS_EVEN] = config.rows[PROBS_ODD] = (uint8_t)columns;
-    _tile_loadconfig(&config);
-}
-
 /* The item's queries of kv head `kv_head` as B operands (column m * group + g: member m, the kv
  * head's query head g): per 32 dims, row k holds each column's dims (2k, 2k + 1); columns past
  * the item's are zero. Every column's softmax state starts empty. */
@@ -685,7 +680,7 @@ static void decode_softmax(const KeyTile *tiles, int num_tiles, const float (*sc
     const __m512 none = _mm512_set1_ps(-INFINITY);
     __mmask16 rows[DECODE_TILES];
     for (int t = 0; t < num_tiles; t++)
-        rows[t] = (__mmask16)(((1u << tiles[t].end) - 1) & ~((1u << tiles[t].first) - 1));
+        rows[t] = first_lanes(tiles[t].end) & ~first_lanes(tiles[t].first);
     _Alignas(64) float new_max[MAX_COLUMNS];
     memcpy(new_max, d->max, sizeof(new_max));
     for (int c = columns.first; c < columns.end; c++) {
@@ -814,7 +809,7 @@ static void store_decode_rows(const DecodeProblem *p, int seq, int kv_head, int 
 /* One item, every kv head: the shared prefix for all its columns, then each member's own
  * positions for its columns. */
 static int decode_item(const DecodeProblem *p, const DecodeItem *item, DecodeState *d) {
-    configure_decode_tiles(item->count * p->group);
+    configure_tiles(item->count * p->group); /* ACC_* and PROBS_* are tmm0-3: a row per column */
     const int32_t *tables = p->block_tables;
     for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
         start_columns(p, item, kv_head, d);
