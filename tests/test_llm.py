@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.engine.model_runner import BLOCKS_WRITTEN_AHEAD
 from batchgen.engine.radix_tree import RadixTree
 from batchgen.gc_pacing import RUN_GC_THRESHOLD
 from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, tiny_model, tiny_tokenizer
@@ -104,6 +105,27 @@ def test_small_pool_preempts_and_evicts_with_same_outputs(family):
     assert [o.token_ids for o in outputs] == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_evictions > 0
+
+
+def test_pool_blocks_are_zeroed_ahead_of_their_first_use_a_chunk_at_a_time():
+    model, workload, expected = model_and_oracle("llama")
+    llm = LLM(model, tokenizer=tiny_tokenizer(), kv_cache_memory=700 * 16 * BYTES_PER_TOKEN)
+    runner = llm.engine.runner
+    caches = (*runner.k_caches, *runner.v_caches)
+    for cache in caches:  # what an unwritten page may hold
+        cache.fill_(float("nan"))
+
+    def assert_written(num_blocks: int) -> None:
+        assert runner.num_written_blocks == num_blocks
+        for cache in caches:
+            assert not cache[:num_blocks].isnan().any()  # K/V or zeros
+            assert cache[num_blocks:].isnan().all()
+
+    assert [o.token_ids for o in run_workload(llm, workload[:3])] == expected[:3]
+    assert_written(BLOCKS_WRITTEN_AHEAD)
+    # 20 unrelated prompts of 16 blocks each: past the first chunk
+    llm.generate([[2 + (i * 7 + j) % 200 for j in range(256)] for i in range(20)], greedy(2), use_tqdm=False)
+    assert_written(2 * BLOCKS_WRITTEN_AHEAD)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
