@@ -54,6 +54,12 @@ class LLM:
         """The engine's counters, over every call so far."""
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prompt block: the next call computes its prompts from scratch (a
+        cold-cache measurement, as vLLM's `LLM.reset_prefix_cache`). The K/V pool stays allocated.
+        False, changing nothing, while requests are running (a partly consumed `iter_generate`)."""
+        return self.engine.reset_prefix_cache()
+
     def plan(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              request_ids: Sequence[int] | None = None) -> Plan:
         """Encode, check and order the prompts (strings, token-id lists or chat-message lists; a

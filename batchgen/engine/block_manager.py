@@ -190,6 +190,17 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_marked_blocks = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (each becomes free), or, while a sequence holds blocks,
+        change nothing and return False."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self._evictable:
+            self._unregister(self.blocks[block_id])
+            self._free_block_ids.append(block_id)
+        self._evictable.clear()
+        return True
+
     # ---- internals -------------------------------------------------------------------------
     def _reference(self, block_id: int) -> None:
         block = self.blocks[block_id]

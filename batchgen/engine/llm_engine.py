@@ -182,6 +182,12 @@ class LLMEngine:
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token, now)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (see `BlockManager.reset_prefix_cache`)."""
+        is_reset = self.block_manager.reset_prefix_cache()
+        self._update_pool_stats()
+        return is_reset
+
     def _update_pool_stats(self) -> None:
         pool, stats = self.block_manager, self.stats
         stats.num_blocks_used, stats.num_blocks_free = pool.num_used_blocks, pool.num_free_blocks

@@ -238,3 +238,17 @@ def test_prefix_caching_disabled_never_hits():
     assert second.block_table == [3, 4, 5]
     manager.free(first)
     assert manager.match_prefix(make_seq(prompt)).block_ids == []
+
+
+def test_reset_prefix_cache_frees_cached_blocks_and_refuses_while_blocks_are_held():
+    manager = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
+    prefix = list(range(8))
+    first = make_seq(prefix + [50, 51])
+    admit(manager, first)
+    compute(manager, first)
+    assert not manager.reset_prefix_cache()  # first holds its blocks
+    assert manager.num_cached_blocks == 2
+    manager.free(first)
+    assert manager.reset_prefix_cache()
+    assert (manager.num_free_blocks, manager.num_used_blocks, manager.num_cached_blocks) == (8, 0, 0)
+    assert admit(manager, make_seq(prefix + [60, 61, 62])) == []  # nothing left to reuse
