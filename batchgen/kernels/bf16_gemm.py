@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.profiler_spans import BF16_LINEAR_SPAN, profiler_span
 
-PANEL_COLUMNS = 96  # output columns per panel of the packed layout (csrc/bf16_gemm.c)
 UNLIMITED_ROWS = 2**63 - 1  # `max_rows()` of a kernel that beats oneDNN at every row count
 
 
@@ -67,12 +66,14 @@ def is_available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [n, k] weight (k even) in panels of PANEL_COLUMNS output columns (zeros past n),
-    each holding, for every input pair, its columns' two values side by side."""
+    """A bf16 [n, k] weight (k even) in panels of this build's panel columns (96; 32 on the AMX
+    path) output columns (zeros past n), each holding, for every input pair, its columns' two
+    values side by side."""
     n, k = weight.shape
-    panels = -(-n // PANEL_COLUMNS)
-    padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL_COLUMNS - n))
-    return padded.view(panels, PANEL_COLUMNS, k // 2, 2).transpose(1, 2).contiguous()
+    columns = _library().bg_bf16_gemm_panel_columns()
+    panels = -(-n // columns)
+    padded = F.pad(weight.detach(), (0, 0, 0, panels * columns - n))
+    return padded.view(panels, columns, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

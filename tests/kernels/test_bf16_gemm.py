@@ -39,8 +39,9 @@ def assert_rounded_once(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     assert bool((error <= exact.abs() * 2.0**-8 + summed_magnitude * 2.0**-20).all()), error.max()
 
 
-def test_pack_places_each_column_pair_in_its_panel():
-    columns = bf16_gemm.PANEL_COLUMNS
+def test_pack_places_each_column_pair_in_its_panel(build):
+    columns = build.bg_bf16_gemm_panel_columns()
+    assert columns == (32 if build is AMX_BUILD else 96)
     weight = torch.arange((columns + 2) * 6, dtype=torch.float32).view(columns + 2, 6).bfloat16()
     packed = bf16_gemm.pack(weight)
     assert packed.shape == (2, 3, columns, 2)
