@@ -24,6 +24,14 @@ def compute(manager: BlockManager, seq: Sequence) -> None:
     manager.mark_computed(seq)
 
 
+def admit_computed(manager: BlockManager, token_ids: list[int]) -> Sequence:
+    """A sequence of `token_ids` admitted whole and computed."""
+    seq = make_seq(token_ids)
+    admit(manager, seq)
+    compute(manager, seq)
+    return seq
+
+
 def test_fresh_pool_hands_out_ids_in_order():
     manager = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
     first, second = make_seq(list(range(10))), make_seq(list(range(100, 105)))
@@ -54,9 +62,7 @@ def test_counters_follow_allocate_compute_free():
 def test_second_sequence_with_same_prefix_reuses_block_ids():
     manager = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
     prefix = list(range(8))
-    first = make_seq(prefix + [50, 51])
-    admit(manager, first)
-    compute(manager, first)
+    first = admit_computed(manager, prefix + [50, 51])
     second = make_seq(prefix + [60, 61, 62])
     match = manager.match_prefix(second)
     assert match.block_ids == [0, 1]
@@ -243,9 +249,7 @@ def test_prefix_caching_disabled_never_hits():
 def test_reset_prefix_cache_frees_cached_blocks_and_refuses_while_blocks_are_held():
     manager = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
     prefix = list(range(8))
-    first = make_seq(prefix + [50, 51])
-    admit(manager, first)
-    compute(manager, first)
+    first = admit_computed(manager, prefix + [50, 51])
     assert not manager.reset_prefix_cache()  # first holds its blocks
     assert manager.num_cached_blocks == 2
     manager.free(first)
