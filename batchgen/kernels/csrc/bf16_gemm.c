@@ -37,13 +37,14 @@
  * one block's 32 columns, so a block reads its weight as one contiguous stream, which the
  * core's own prefetcher follows: the 30 layers' products and the lm_head 13.87 ms against
  * 14.61 with 96-column panels (of which a block read a third of each 384-byte row) at 32 rows,
- * 22.05 against 24.77 at 64, 13.51 against 15.46 at 16 (weights cold, medians of 15). The rows past the last multiple of 32 run after the
- * full blocks, with tiles configured to their count (nothing past row m is read). It is built
- * for decode steps, where a product's weights stream from memory once: here (2-core Intel
- * Xeon with AMX, the default model's products, all 30 layers' weights cold) 32 rows take
- * 11.1-12.1 ms against oneDNN's 14.4-15.2 (1.25-1.37x), 64 rows 15.5 against 16.0-16.8; from
- * 128 rows on oneDNN's AMX kernels are faster (256 rows: 1.1-1.25x, 2,048: 1.3-1.6x), and
- * `bg_bf16_gemm_max_rows` says so.
+ * 22.05 against 24.77 at 64, 13.51 against 15.46 at 16 (weights cold, medians of 15). The
+ * rows past the last multiple of 32 run after the full blocks, with tiles configured to their
+ * count (nothing past row m is read). It is built for decode steps, where a product's weights
+ * stream from memory once: here (2-core Intel Xeon with AMX, the default model's products, all
+ * 30 layers' weights cold) 32 rows took 11.1-12.1 ms against oneDNN's 14.4-15.2 (1.25-1.37x)
+ * before the two changes above, 64 rows 15.5 against 16.0-16.8; from 128 rows on oneDNN's AMX
+ * kernels are faster (256 rows: 1.1-1.25x, 2,048: 1.3-1.6x), and `bg_bf16_gemm_max_rows` says
+ * so.
  */
 #include <stdint.h>
 
