@@ -70,11 +70,10 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
-        self.num_written_blocks = self.num_blocks  # see _write_new_blocks: device memory needs no writing
-        if self.device.type == "cpu":
-            self.num_written_blocks = 0
-            if config.kv_cache_prefault:
-                self._write_blocks(self.num_blocks)
+        on_cpu = self.device.type == "cpu"
+        self.num_written_blocks = 0 if on_cpu else self.num_blocks  # see _write_new_blocks; device memory needs none
+        if on_cpu and config.kv_cache_prefault:
+            self._write_blocks(self.num_blocks)
         self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
         model.set_attn_implementation(register())
         self.fused = FusedDecoder.build(model) if config.fused_step else None
