@@ -85,7 +85,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     `cpu_attention.paged_decode_attention` computes it: q, out [S, H, D]. `groups`: optional
     contiguous int32 [G, 3] rows (first, end, prefix_tokens), in order and disjoint: sequences
     first..end-1 (at least two) hold the same blocks for their first prefix_tokens positions,
-    fewer than each one's context; that prefix is attended once for up to 16 query heads of them.
+    fewer than each one's context; that prefix is read once for up to 64 query heads of them per
+    kv head (four column sets of 16).
     No K/V is copied: the pool's rows are the tiles' operands. Returns False, writing nothing,
     where it does not apply (`supports` refuses q, a block size not a multiple of 16, more than
     16 query heads per kv head, or q, out or the pool not contiguous)."""

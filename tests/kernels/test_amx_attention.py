@@ -186,9 +186,9 @@ def test_decode_matches_the_reference(num_heads, num_kv_heads, block_size):
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 1)])
 def test_decode_groups_match_the_reference(num_heads, num_kv_heads):
-    # a group of seven over 32 positions (two whole key tiles; more members than one item's 16
-    # columns hold), one of three over 20 (ending inside the second tile: its members go on from
-    # there), a row outside every group
+    # a group of seven over 32 positions (two whole key tiles; more members than one column set's
+    # 16 columns hold), one of three over 20 (ending inside the second tile: its members go on
+    # from there), a row outside every group
     context_lens = [40, 37, 90, 33, 70, 45, 52, 25, 21, 30, 77]
     shared = [(0, 7, 32), (7, 10, 32)]
     groups = [(0, 7, 32), (7, 10, 20)]
@@ -196,6 +196,15 @@ def test_decode_groups_match_the_reference(num_heads, num_kv_heads):
                                                    num_kv_heads=num_kv_heads)
     got = decode(q, k_cache, v_cache, block_tables, context_lens, groups)
     assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 11)) < 2
+
+
+def test_a_group_larger_than_an_item_matches_the_reference():
+    # 45 members over 80 positions (five chunks and a partial tile): with 3 query heads per kv
+    # head, items of 20 members in 4 column sets, 20 more, then 5 in one set; contexts differ
+    context_lens = [81 + (7 * member) % 50 for member in range(45)]
+    q, k_cache, v_cache, block_tables = paged_step(context_lens, [1] * 45, shared=[(0, 45, 80)])
+    got = decode(q, k_cache, v_cache, block_tables, context_lens, [(0, 45, 70)])
+    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 45)) < 2
 
 
 @pytest.mark.parametrize("groups", [

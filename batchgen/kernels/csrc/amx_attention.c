@@ -559,19 +559,27 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
  * - values: the 16 V rows as they lie are the B operand (rows = keys, 16 dim pairs each), the
  *   columns' probabilities the A operand with a zero beside each: pairs (p, 0) sum the even
  *   dims, (0, p) the odd dims, into two accumulator tiles per 32 dims.
- * A work item is a lone sequence, or up to 16 / group members of a group (sequences holding the
- * same blocks for their first `prefix` positions): per kv head, all its columns attend the
- * prefix together (its K/V read once for them all), then each member's columns go on over its
- * own positions. Positions go DECODE_TILES key tiles at a time: the chunk's scores, the online
- * softmax (log2 units, float32) of the attending columns, then the products with the values,
- * added to their float32 accumulators with the chunk's correction. Rows of a partial key tile
- * outside the attended positions are masked from the scores, and their V rows replaced by
- * zeros (a stale slot may hold anything, and 0 x NaN is NaN).
+ * A work item is one kv head of a lone sequence, or of up to MAX_SETS * (16 / group) members of
+ * a group (sequences holding the same blocks for their first `prefix` positions). A group's
+ * members are in column sets of up to 16 columns (16 / group members each): all the sets
+ * attend the prefix together, set after set on each chunk of it while its K/V are in the core's
+ * cache, so the prefix comes from memory once for all of them; then each member's columns go
+ * on over its own positions. A group's items are one kv head each, so a step with one group
+ * still runs on every thread. (With one set of 16 / group members per item, a step of 4 groups
+ * x 16 members with 1,024 shared positions read each prefix four times, waiting on memory:
+ * the 30 layers' calls took 28.5 ms with the K/V in the last-level cache, 46 ms with them in
+ * memory; with the sets, 21-23 and 35-39 ms.) Positions go
+ * DECODE_TILES key tiles at a time: the chunk's scores, the online softmax (log2 units,
+ * float32) of the attending columns, then the products with the values, added to their float32
+ * accumulators with the chunk's correction. Rows of a partial key tile outside the attended
+ * positions are masked from the scores, and their V rows replaced by zeros (a stale slot may
+ * hold anything, and 0 x NaN is NaN).
  */
 
 #define DECODE_TILES 4         /* key tiles of 16 positions per chunk */
 #define KEY_TILE 16
-#define MAX_COLUMNS 16         /* one tile's rows */
+#define MAX_COLUMNS 16         /* one tile's rows: a column set */
+#define MAX_SETS 4             /* column sets of an item */
 #define MIN_DECODE_WORK 4096   /* (position, kv head) pairs below which one thread runs the call */
 
 /* Decode tile registers: the even- and odd-dim accumulators, the probabilities as (p, 0) and
@@ -585,17 +593,22 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
 #define K_OPERAND 6
 #define Q_OPERAND 7
 
+/* A column set's queries and softmax state. */
 typedef struct {
-    _Alignas(64) float scores[2][DECODE_TILES][KEY_TILE * 16];      /* [key][column] per key tile, two chunks */
-    _Alignas(64) uint32_t probs[2][DECODE_TILES][MAX_COLUMNS * 16];  /* (p, 0) / (0, p) pairs [column][key] */
     _Alignas(64) uint32_t q_pairs[2][16 * 16];                       /* per 32 dims: [dim pair][column] */
-    _Alignas(64) float products[4][MAX_COLUMNS * 16];                /* [32-dim half x even / odd][column][16] */
-    _Alignas(64) uint16_t zeroed_values[2][KEY_TILE * HEAD_DIM];     /* partial key tiles' V rows */
-    _Alignas(64) float column_scores[MAX_COLUMNS][DECODE_TILES * 16]; /* a chunk's scores per column, log2 units */
     _Alignas(64) float acc[MAX_COLUMNS][4][16];                      /* as products, per column */
     _Alignas(64) float max[MAX_COLUMNS];                             /* log2 units; -inf: nothing attended */
     _Alignas(64) float correction[MAX_COLUMNS];                      /* the chunk's factor of acc and sum */
     float sum[MAX_COLUMNS];
+} ColumnSet;
+
+typedef struct {
+    _Alignas(64) float scores[2][DECODE_TILES][KEY_TILE * 16];      /* [key][column] per key tile, two passes */
+    _Alignas(64) uint32_t probs[2][DECODE_TILES][MAX_COLUMNS * 16];  /* (p, 0) / (0, p) pairs [column][key] */
+    _Alignas(64) float products[4][MAX_COLUMNS * 16];                /* [32-dim half x even / odd][column][16] */
+    _Alignas(64) uint16_t zeroed_values[2][KEY_TILE * HEAD_DIM];     /* partial key tiles' V rows */
+    _Alignas(64) float column_scores[MAX_COLUMNS][DECODE_TILES * 16]; /* a chunk's scores per column, log2 units */
+    ColumnSet sets[MAX_SETS];
 } DecodeState;
 
 typedef struct {
@@ -607,10 +620,10 @@ typedef struct {
     float scale_log2;
 } DecodeProblem;
 
-/* Sequences first .. first + count - 1 holding the same blocks for their first `prefix`
- * positions (a lone sequence: count 1, prefix 0). */
+/* Kv heads first_head .. end_head - 1 of sequences first .. first + count - 1, which hold the
+ * same blocks for their first `prefix` positions (a lone sequence: count 1, prefix 0). */
 typedef struct {
-    int first, count, prefix;
+    int first, count, prefix, first_head, end_head;
 } DecodeItem;
 
 /* A key tile of a chunk: its first slot in the pool and the rows of it that are attended. */
@@ -619,22 +632,27 @@ typedef struct {
     int first, end; /* rows first .. end - 1 */
 } KeyTile;
 
-/* The attending columns first .. end - 1 of an item. */
+/* The attending columns first .. end - 1 of column set `set`. */
 typedef struct {
-    int first, end;
+    int set, first, end;
 } ColumnRange;
 
-/* The item's queries of kv head `kv_head` as B operands (column m * group + g: member m, the kv
- * head's query head g): per 32 dims, row k holds each column's dims (2k, 2k + 1); columns past
- * the item's are zero. Every column's softmax state starts empty. */
-static void start_columns(const DecodeProblem *p, const DecodeItem *item, int kv_head, DecodeState *d) {
-    memset(d->q_pairs, 0, sizeof(d->q_pairs));
-    memset(d->acc, 0, sizeof(d->acc));
-    for (int c = 0; c < MAX_COLUMNS; c++) d->max[c] = -INFINITY, d->sum[c] = 0.0f;
-    for (int c = 0; c < item->count * p->group; c++) {
-        int64_t row = (int64_t)(item->first + c / p->group) * p->num_heads + kv_head * p->group + c % p->group;
+/* Members of an item per column set. */
+static int set_members(const DecodeProblem *p) { return MAX_COLUMNS / p->group; }
+
+/* The queries of the item's members first .. first + count - 1 (a column set) as B operands
+ * (column m * group + g: member m, the item's kv head's query head g): per 32 dims, row k holds
+ * each column's dims (2k, 2k + 1); columns past the set's are zero. Every column's softmax state
+ * starts empty. */
+static void start_set(const DecodeProblem *p, const DecodeItem *item, int kv_head, int first, int count, ColumnSet *set) {
+    memset(set->q_pairs, 0, sizeof(set->q_pairs));
+    memset(set->acc, 0, sizeof(set->acc));
+    for (int c = 0; c < MAX_COLUMNS; c++) set->max[c] = -INFINITY, set->sum[c] = 0.0f;
+    for (int c = 0; c < count * p->group; c++) {
+        int64_t row = (int64_t)(item->first + first + c / p->group) * p->num_heads + kv_head * p->group
+                    + c % p->group;
         const uint32_t *pairs = (const uint32_t *)(p->q + row * HEAD_DIM);
-        for (int k = 0; k < HEAD_DIM / 2; k++) d->q_pairs[k / 16][(k % 16) * 16 + c] = pairs[k];
+        for (int k = 0; k < HEAD_DIM / 2; k++) set->q_pairs[k / 16][(k % 16) * 16 + c] = pairs[k];
     }
 }
 
@@ -653,17 +671,17 @@ static inline void fetch_key_tile(const DecodeProblem *p, const uint16_t *cache,
 static inline const KeyTile *next_tile(const KeyTile *next, int num_next, int t) { return t < num_next ? next + t : NULL; }
 
 /* Scores of the chunk's key tiles with every column's query, each into scores[t] [key][column]. */
-static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, int kv_head, DecodeState *d,
+static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_tiles, int kv_head, const ColumnSet *set,
                           float (*scores)[KEY_TILE * 16]) {
     int64_t stride = (int64_t)p->num_kv_heads * HEAD_DIM * 2;
     for (int t = 0; t < num_tiles; t++) {
         const uint16_t *keys = p->k_cache + (tiles[t].slot * p->num_kv_heads + kv_head) * HEAD_DIM;
         _tile_zero(KEY_SCORES);
         _tile_loadd(K_OPERAND, keys, stride);
-        _tile_loadd(Q_OPERAND, d->q_pairs[0], 64);
+        _tile_loadd(Q_OPERAND, set->q_pairs[0], 64);
         _tile_dpbf16ps(KEY_SCORES, K_OPERAND, Q_OPERAND);
         _tile_loadd(K_OPERAND, keys + 32, stride);
-        _tile_loadd(Q_OPERAND, d->q_pairs[1], 64);
+        _tile_loadd(Q_OPERAND, set->q_pairs[1], 64);
         _tile_dpbf16ps(KEY_SCORES, K_OPERAND, Q_OPERAND);
         _tile_stored(KEY_SCORES, scores[t], 64);
     }
@@ -676,13 +694,14 @@ static void decode_scores(const DecodeProblem *p, const KeyTile *tiles, int num_
  * at once. */
 static void decode_softmax(const KeyTile *tiles, int num_tiles, const float (*scores)[KEY_TILE * 16], ColumnRange columns,
                            float scale_log2, DecodeState *d) {
+    ColumnSet *set = &d->sets[columns.set];
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 none = _mm512_set1_ps(-INFINITY);
     __mmask16 rows[DECODE_TILES];
     for (int t = 0; t < num_tiles; t++)
         rows[t] = first_lanes(tiles[t].end) & ~first_lanes(tiles[t].first);
     _Alignas(64) float new_max[MAX_COLUMNS];
-    memcpy(new_max, d->max, sizeof(new_max));
+    memcpy(new_max, set->max, sizeof(new_max));
     for (int c = columns.first; c < columns.end; c++) {
         __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(16)), _mm512_set1_epi32(c));
         __m512 top = none;
@@ -694,10 +713,10 @@ static void decode_softmax(const KeyTile *tiles, int num_tiles, const float (*sc
         }
         new_max[c] = fmaxf(new_max[c], _mm512_reduce_max_ps(top));
     }
-    __m512 old_max = _mm512_load_ps(d->max), moved_max = _mm512_load_ps(new_max);
+    __m512 old_max = _mm512_load_ps(set->max), moved_max = _mm512_load_ps(new_max);
     __mmask16 started = _mm512_cmp_ps_mask(old_max, none, _CMP_NEQ_OQ);
-    _mm512_store_ps(d->correction, _mm512_maskz_mov_ps(started, exp2_16(_mm512_sub_ps(old_max, moved_max))));
-    _mm512_store_ps(d->max, moved_max);
+    _mm512_store_ps(set->correction, _mm512_maskz_mov_ps(started, exp2_16(_mm512_sub_ps(old_max, moved_max))));
+    _mm512_store_ps(set->max, moved_max);
     for (int c = columns.first; c < columns.end; c++) {
         __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max[c]);
         for (int t = 0; t < num_tiles; t++) {
@@ -708,7 +727,7 @@ static void decode_softmax(const KeyTile *tiles, int num_tiles, const float (*sc
             _mm512_store_si512(d->probs[0][t] + 16 * c, low);
             _mm512_store_si512(d->probs[1][t] + 16 * c, _mm512_slli_epi32(low, 16));
         }
-        d->sum[c] = d->sum[c] * d->correction[c] + _mm512_reduce_add_ps(total);
+        set->sum[c] = set->sum[c] * set->correction[c] + _mm512_reduce_add_ps(total);
     }
 }
 
@@ -743,11 +762,12 @@ static void decode_values(const DecodeProblem *p, const KeyTile *tiles, int num_
         _tile_stored(ACC_EVEN, d->products[2 * half], 64);
         _tile_stored(ACC_ODD, d->products[2 * half + 1], 64);
     }
+    ColumnSet *set = &d->sets[columns.set];
     for (int c = columns.first; c < columns.end; c++) {
-        __m512 correction = _mm512_set1_ps(d->correction[c]);
+        __m512 correction = _mm512_set1_ps(set->correction[c]);
         for (int j = 0; j < 4; j++)
-            _mm512_store_ps(d->acc[c][j], _mm512_fmadd_ps(_mm512_load_ps(d->acc[c][j]), correction,
-                                                          _mm512_load_ps(d->products[j] + 16 * c)));
+            _mm512_store_ps(set->acc[c][j], _mm512_fmadd_ps(_mm512_load_ps(set->acc[c][j]), correction,
+                                                            _mm512_load_ps(d->products[j] + 16 * c)));
     }
 }
 
@@ -767,37 +787,48 @@ static int next_key_tiles(const DecodeProblem *p, const int32_t *table, int *pos
     return count;
 }
 
-/* `columns` attend positions [start, end) of the sequence with `table`, kv head `kv_head`. The
- * next chunk's scores are asked of the tiles before this chunk's softmax, which does not wait
- * for them: the two overlap. */
-static int attend_positions(const DecodeProblem *p, const int32_t *table, int start, int end, int kv_head,
-                            ColumnRange columns, DecodeState *d) {
+/* Column sets `columns[0 .. num_sets - 1]` attend positions [start, end) of the sequence with
+ * `table`, kv head `kv_head`, chunk by chunk, every set on a chunk before the next chunk. A
+ * pass is one set on one chunk; the next pass's scores are asked of the tiles before this
+ * pass's softmax, which does not wait for them: the two overlap. */
+__attribute__((noinline)) static int attend_positions(const DecodeProblem *p, const int32_t *table, int start, int end, int kv_head,
+                            const ColumnRange *columns, int num_sets, DecodeState *d) {
     KeyTile chunks[2][DECODE_TILES];
-    int pos = start, current = 0, num_tiles = next_key_tiles(p, table, &pos, end, chunks[0]);
-    if (num_tiles > 0) decode_scores(p, chunks[0], num_tiles, kv_head, d, d->scores[0]);
-    while (num_tiles > 0) {
-        const KeyTile *tiles = chunks[current], *next = chunks[current ^ 1];
-        int num_next = next_key_tiles(p, table, &pos, end, chunks[current ^ 1]);
-        if (num_next < 0) return -num_next;
-        if (num_next > 0) decode_scores(p, next, num_next, kv_head, d, d->scores[current ^ 1]);
-        decode_softmax(tiles, num_tiles, (const float (*)[KEY_TILE * 16])d->scores[current], columns, p->scale_log2, d);
-        decode_values(p, tiles, num_tiles, next, num_next, kv_head, columns, d);
-        num_tiles = num_next, current ^= 1;
+    int num_tiles[2], pos = start, current = 0, buffer = 0;
+    num_tiles[0] = next_key_tiles(p, table, &pos, end, chunks[0]);
+    if (num_tiles[0] > 0) decode_scores(p, chunks[0], num_tiles[0], kv_head, &d->sets[columns[0].set], d->scores[0]);
+    while (num_tiles[current] > 0) {
+        int next = current ^ 1;
+        num_tiles[next] = next_key_tiles(p, table, &pos, end, chunks[next]);
+        if (num_tiles[next] < 0) return -num_tiles[next];
+        for (int s = 0; s < num_sets; s++, buffer ^= 1) {
+            if (s + 1 < num_sets)
+                decode_scores(p, chunks[current], num_tiles[current], kv_head, &d->sets[columns[s + 1].set],
+                              d->scores[buffer ^ 1]);
+            else if (num_tiles[next] > 0)
+                decode_scores(p, chunks[next], num_tiles[next], kv_head, &d->sets[columns[0].set], d->scores[buffer ^ 1]);
+            decode_softmax(chunks[current], num_tiles[current], (const float (*)[KEY_TILE * 16])d->scores[buffer],
+                           columns[s], p->scale_log2, d);
+            /* the first pass on a chunk asks for the next chunk's V rows */
+            decode_values(p, chunks[current], num_tiles[current], chunks[next], s == 0 ? num_tiles[next] : 0, kv_head,
+                          columns[s], d);
+        }
+        current = next;
     }
-    return num_tiles < 0 ? -num_tiles : STATUS_OK;
+    return num_tiles[current] < 0 ? -num_tiles[current] : STATUS_OK;
 }
 
 /* Sequence `seq`'s output rows of kv head `kv_head`, from columns first ..: each one's
  * accumulator over its sum, dims back in order, bf16. */
-static void store_decode_rows(const DecodeProblem *p, int seq, int kv_head, int first, const DecodeState *d) {
+static void store_decode_rows(const DecodeProblem *p, int seq, int kv_head, int first, const ColumnSet *set) {
     const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int g = 0; g < p->group; g++) {
         int c = first + g;
-        __m512 inverse = _mm512_set1_ps(1.0f / d->sum[c]);
+        __m512 inverse = _mm512_set1_ps(1.0f / set->sum[c]);
         uint16_t *dst = p->out + ((int64_t)seq * p->num_heads + kv_head * p->group + g) * HEAD_DIM;
         for (int half = 0; half < 2; half++) {
-            __m512 even = _mm512_load_ps(d->acc[c][2 * half]), odd = _mm512_load_ps(d->acc[c][2 * half + 1]);
+            __m512 even = _mm512_load_ps(set->acc[c][2 * half]), odd = _mm512_load_ps(set->acc[c][2 * half + 1]);
             __m512 first_dims = _mm512_mul_ps(_mm512_permutex2var_ps(even, low, odd), inverse);
             __m512 second_dims = _mm512_mul_ps(_mm512_permutex2var_ps(even, high, odd), inverse);
             _mm256_storeu_si256((__m256i *)(dst + 32 * half), (__m256i)_mm512_cvtneps_pbh(first_dims));
@@ -806,21 +837,28 @@ static void store_decode_rows(const DecodeProblem *p, int seq, int kv_head, int 
     }
 }
 
-/* One item, every kv head: the shared prefix for all its columns, then each member's own
- * positions for its columns. */
+/* One item, kv head by kv head: the shared prefix for all its column sets, then each member's
+ * own positions for its columns. */
 static int decode_item(const DecodeProblem *p, const DecodeItem *item, DecodeState *d) {
-    configure_tiles(item->count * p->group); /* ACC_* and PROBS_* are tmm0-3: a row per column */
+    int per_set = set_members(p), num_sets = (item->count + per_set - 1) / per_set;
+    int columns = item->count * p->group;
+    configure_tiles(columns < MAX_COLUMNS ? columns : MAX_COLUMNS); /* ACC_* and PROBS_* are tmm0-3: a row per column */
     const int32_t *tables = p->block_tables;
-    for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
-        start_columns(p, item, kv_head, d);
-        ColumnRange all = {0, item->count * p->group};
-        int code = attend_positions(p, tables + (int64_t)item->first * p->max_blocks, 0, item->prefix, kv_head, all, d);
+    for (int kv_head = item->first_head; kv_head < item->end_head; kv_head++) {
+        ColumnRange sets[MAX_SETS];
+        for (int s = 0; s < num_sets; s++) {
+            int count = item->count - s * per_set < per_set ? item->count - s * per_set : per_set;
+            start_set(p, item, kv_head, s * per_set, count, &d->sets[s]);
+            sets[s] = (ColumnRange){s, 0, count * p->group};
+        }
+        int code = attend_positions(p, tables + (int64_t)item->first * p->max_blocks, 0, item->prefix, kv_head, sets,
+                                    num_sets, d);
         for (int m = 0; m < item->count && code == STATUS_OK; m++) {
             int seq = item->first + m;
-            ColumnRange own = {m * p->group, (m + 1) * p->group};
+            ColumnRange own = {m / per_set, m % per_set * p->group, (m % per_set + 1) * p->group};
             code = attend_positions(p, tables + (int64_t)seq * p->max_blocks, item->prefix, p->context_lens[seq], kv_head,
-                                    own, d);
-            store_decode_rows(p, seq, kv_head, own.first, d);
+                                    &own, 1, d);
+            store_decode_rows(p, seq, kv_head, own.first, &d->sets[own.set]);
         }
         if (code != STATUS_OK) return code;
     }
@@ -828,16 +866,17 @@ static int decode_item(const DecodeProblem *p, const DecodeItem *item, DecodeSta
 }
 
 /* Checks the sequences and groups, and lays out the work items (as many as returned, into
- * `items`): each group's members in runs of MAX_COLUMNS / group, every other sequence alone.
- * Returns -STATUS_* when an input is refused. */
+ * `items`, which holds num_seqs * num_kv_heads): each group's members in runs of MAX_SETS
+ * column sets, every other sequence alone, each run or sequence once per kv head. Returns
+ * -STATUS_* when an input is refused. */
 static int plan_decode_items(const DecodeProblem *p, int num_seqs, const int32_t *groups, int num_groups,
                              DecodeItem *items) {
-    int num_items = 0, g = 0, per_item = MAX_COLUMNS / p->group, bs = p->block_size;
+    int num_items = 0, g = 0, per_item = MAX_SETS * set_members(p), bs = p->block_size;
     for (int seq = 0; seq < num_seqs; seq++)
         if (p->context_lens[seq] < 1 || p->context_lens[seq] > (int64_t)p->max_blocks * bs) return -STATUS_BAD_CONTEXT_LEN;
     for (int seq = 0; seq < num_seqs;) {
         if (g == num_groups || groups[3 * g] != seq) {
-            items[num_items++] = (DecodeItem){seq++, 1, 0};
+            items[num_items++] = (DecodeItem){seq++, 1, 0, 0, p->num_kv_heads};
             continue;
         }
         int end = groups[3 * g + 1], prefix = groups[3 * g + 2];
@@ -848,7 +887,9 @@ static int plan_decode_items(const DecodeProblem *p, int num_seqs, const int32_t
                                                             sizeof(int32_t) * ((prefix + bs - 1) / bs)))
                 return -STATUS_BAD_GROUP;
         for (int first = seq; first < end; first += per_item)
-            items[num_items++] = (DecodeItem){first, end - first < per_item ? end - first : per_item, prefix};
+            for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
+                items[num_items++] = (DecodeItem){first, end - first < per_item ? end - first : per_item, prefix, kv_head,
+                                                  kv_head + 1};
         seq = end, g++;
     }
     return g == num_groups ? num_items : -STATUS_BAD_GROUP; /* a group out of order or overlapping */
@@ -895,7 +936,7 @@ int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const
     DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                        block_tables, context_lens, num_heads, num_kv_heads, group, num_blocks, block_size,
                        max_blocks, scale * 1.4426950408889634f};
-    DecodeItem *items = (DecodeItem *)malloc(sizeof(DecodeItem) * (size_t)(num_seqs > 0 ? num_seqs : 1));
+    DecodeItem *items = (DecodeItem *)malloc(sizeof(DecodeItem) * (size_t)(num_seqs > 0 ? num_seqs * num_kv_heads : 1));
     if (items == NULL) return STATUS_NO_MEMORY;
     int num_items = plan_decode_items(&p, num_seqs, groups, num_groups, items);
     int64_t work = 0;
