@@ -17,6 +17,13 @@ with the least median seconds per scheduled token. While trials keep the count, 
 doubles (trials cost a few steps at a worse count), up to `MAX_TRIAL_PERIOD`. The first trial
 starts after `FIRST_TRIAL_STEP` steps.
 
+A step that takes `SLOWDOWN` times the seconds per token of the chosen count's steps in the
+last trial (a step of about that trial's size) starts a trial at once: load that arrives in a
+long job must not wait out a period grown to `MAX_TRIAL_PERIOD` steps. Measured on a 2-core
+Xeon with AMX (bf16, one engine that had run quiet before, the period grown): with one process
+spinning a core, long-out's decode steps took 300 ms at two threads against 30 ms quiet, and the
+run 77 s against 8 s (0.10 of quiet) with no trial due.
+
 Only steps of at most `TRIAL_MAX_TOKENS` tokens are trial steps; larger ones run at the chosen
 count. A trial costs its steps' time at a worse count, and on a 2048-token prefill step that was
 1.2 s a step (measured on long-in, bf16: its 4 steps at one thread took 8.95 s against about 5 s
@@ -46,6 +53,7 @@ DECISIVE_STEPS = 2  # ...unless, after this many each, one count's slowest step 
 FIRST_TRIAL_STEP = 8  # the first steps meet each kernel and shape for the first time: not a fair trial
 TRIAL_MAX_TOKENS = 512  # larger steps are never trial steps
 SIMILAR_TOKENS = 1.3  # steps whose token counts differ by less than this factor compare in a trial
+SLOWDOWN = 2.0  # a step this many times slower per token than the last trial's chosen steps starts a trial
 
 
 class ThreadTuner:
@@ -58,6 +66,7 @@ class ThreadTuner:
         self._seconds_per_token: dict[int, list[float]] = {}
         self._trial_tokens = 0  # the scheduled tokens of the trial's first step
         self._is_trial_step = False  # whether the step `start_step` set up is one of the trial's
+        self._reference: tuple[int, float] | None = None  # the last trial's size and its chosen count's seconds per token
 
     def start_step(self, num_tokens: int) -> None:
         """Set torch's thread count for the next step, of `num_tokens` scheduled tokens: a trial's
@@ -86,7 +95,7 @@ class ThreadTuner:
     def end_step(self, seconds: float, num_tokens: int) -> None:
         """Record the step that `start_step` set up: its wall time and scheduled tokens."""
         if not self._is_trial_step:
-            self._steps_to_trial = max(self._steps_to_trial - 1, 0)
+            self._steps_to_trial = 0 if self._is_slowed_down(seconds, num_tokens) else max(self._steps_to_trial - 1, 0)
             return
         self._seconds_per_token[self._trial.pop(0)].append(seconds / max(num_tokens, 1))
         if self._trial and self._is_decided():
@@ -96,6 +105,15 @@ class ThreadTuner:
             self._period = min(2 * self._period, MAX_TRIAL_PERIOD) if chosen == self.num_threads else TRIAL_PERIOD
             self.num_threads = chosen
             self._steps_to_trial = self._period
+            self._reference = (self._trial_tokens, statistics.median(self._seconds_per_token[chosen]))
+
+    def _is_slowed_down(self, seconds: float, num_tokens: int) -> bool:
+        """Whether a step of about the last trial's size took `SLOWDOWN` times its chosen count's
+        seconds per token."""
+        if self._reference is None or num_tokens > TRIAL_MAX_TOKENS:
+            return False
+        tokens, seconds_per_token = self._reference
+        return _similar(num_tokens, tokens) and seconds > SLOWDOWN * seconds_per_token * max(num_tokens, 1)
 
     def _is_decided(self) -> bool:
         """Every count has run `DECISIVE_STEPS` trial steps, and one count's slowest of them was faster

@@ -89,3 +89,21 @@ def test_release_gives_torch_its_count_back(four_threads):
     assert torch.get_num_threads() == 4
     tuner.start_step(True)
     assert torch.get_num_threads() == 3
+
+
+def test_steps_that_slow_down_start_a_trial_at_once(four_threads):
+    tuner = ThreadTuner()
+    quiet, busy = {3: 1.3, 4: 1.0}, {3: 1.1, 4: 2.5}
+    run_steps(tuner, 1000, quiet)  # the period has grown past the steps left
+    assert tuner.num_threads == 4
+    counts = run_steps(tuner, 8, busy)
+    assert counts[:2] == [4, 4] and 3 in counts[2:]  # the slow step makes the next one a trial's
+    assert tuner.num_threads == 3
+    counts = run_steps(tuner, 40, quiet, sizes=(100,))  # other sizes and faster steps start nothing
+    assert counts == [3] * 40
+
+
+def test_a_step_only_a_little_slower_starts_no_trial(four_threads):
+    tuner = ThreadTuner()
+    run_steps(tuner, 1000, {3: 1.3, 4: 1.0})
+    assert run_steps(tuner, 20, {3: 1.3, 4: 1.9}) == [4] * 20  # longer contexts, say: under SLOWDOWN
