@@ -28,6 +28,7 @@ from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop_checker import StopChecker
+from batchgen.engine.other_load import OtherLoad
 from batchgen.engine.thread_tuner import ThreadTuner
 from batchgen.models import eos_token_ids, max_context_len
 from batchgen.outputs import CompletionOutput, FinishReason, RequestOutput
@@ -61,7 +62,8 @@ class LLMEngine:
         self._finished: list[RequestOutput] = []
         self.stats = EngineStats()
         self._update_pool_stats()
-        self.threads = ThreadTuner() if self.runner.device.type == "cpu" else None  # see thread_tuner
+        on_cpu = self.runner.device.type == "cpu"
+        self.threads = ThreadTuner(OtherLoad.open()) if on_cpu else None  # see thread_tuner
 
     @property
     def constraints(self) -> Constraints:

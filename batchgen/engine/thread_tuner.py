@@ -24,6 +24,13 @@ Xeon with AMX (bf16, one engine that had run quiet before, the period grown): wi
 spinning a core, long-out's decode steps took 300 ms at two threads against 30 ms quiet, and the
 run 77 s against 8 s (0.10 of quiet) with no trial due.
 
+Where the OS says how busy each CPU is (`OtherLoad`, Linux), the count is also capped at the
+cores other processes leave free, read every `other_load.WINDOW_S` seconds (a core counts as
+taken once others keep it `BUSY_CORE` busy): a changed cap becomes the count at once, and the
+next trial comes early. Trials find a busy core only on small steps, and a prefill-heavy run
+has few: no-sharing with one process spinning a core took 77.6 s at two threads against 12.2 s
+quiet.
+
 Only steps of at most `TRIAL_MAX_TOKENS` tokens are trial steps; larger ones run at the chosen
 count. A trial costs its steps' time at a worse count, and on a 2048-token prefill step that was
 1.2 s a step (measured on long-in, bf16: its 4 steps at one thread took 8.95 s against about 5 s
@@ -32,7 +39,8 @@ each wait on a long share of work.
 
 Invariants:
 - The count stays within 1 .. the ceiling: torch's count when the tuner was made
-  (``OMP_NUM_THREADS`` or ``torch.set_num_threads`` set it). torch has a count other than the
+  (``OMP_NUM_THREADS`` or ``torch.set_num_threads`` set it), or fewer, the cores other
+  processes leave free. torch has a count other than the
   ceiling only while the engine has work (`release` when it has none); a change costs ~0.1 ms,
   so it is made only when the count changes.
 - Only the thread count changes. Tokens do not depend on it: torch's and oneDNN's CPU kernels
@@ -46,6 +54,8 @@ import statistics
 
 import torch
 
+from batchgen.engine.other_load import OtherLoad
+
 TRIAL_PERIOD = 64  # steps at the chosen count after a trial that changed it
 MAX_TRIAL_PERIOD = 1024  # the period doubles up to this while trials keep the count
 TRIAL_STEPS = 4  # decode steps per candidate count in a trial
@@ -54,12 +64,15 @@ FIRST_TRIAL_STEP = 8  # the first steps meet each kernel and shape for the first
 TRIAL_MAX_TOKENS = 512  # larger steps are never trial steps
 SIMILAR_TOKENS = 1.3  # steps whose token counts differ by less than this factor compare in a trial
 SLOWDOWN = 2.0  # a step this many times slower per token than the last trial's chosen steps starts a trial
+BUSY_CORE = 0.4  # the share of a core others keep busy from which that core counts as taken
 
 
 class ThreadTuner:
-    def __init__(self) -> None:
+    def __init__(self, load: OtherLoad | None) -> None:
         self.max_threads = torch.get_num_threads()
+        self.ceiling = self.max_threads  # the most threads: max_threads, or the cores others leave free
         self.num_threads = self.max_threads
+        self._load = load
         self._steps_to_trial = FIRST_TRIAL_STEP
         self._period = TRIAL_PERIOD // 2  # the first trial that keeps the count doubles it to TRIAL_PERIOD
         self._trial: list[int] = []  # the counts of the trial's steps still to run, in order
@@ -74,10 +87,11 @@ class ThreadTuner:
         `SIMILAR_TOKENS` times larger or smaller than the trial's first starts the trial again; a
         step of more than `TRIAL_MAX_TOKENS` runs at the chosen count and leaves the trial as it is."""
         self._is_trial_step = False
+        self._follow_load()
         if num_tokens <= TRIAL_MAX_TOKENS:
-            due = not self._trial and self._steps_to_trial == 0 and self.max_threads > 1
+            due = not self._trial and self._steps_to_trial == 0 and self.ceiling > 1
             if due or (self._trial and not _similar(num_tokens, self._trial_tokens)):
-                others = {max(1, self.num_threads - 1), min(self.max_threads, self.num_threads + 1)} - {self.num_threads}
+                others = {max(1, self.num_threads - 1), min(self.ceiling, self.num_threads + 1)} - {self.num_threads}
                 candidates = [self.num_threads, *sorted(others)]  # the chosen count first: a restart costs nothing
                 self._trial = candidates * TRIAL_STEPS
                 self._trial_tokens = num_tokens
@@ -86,6 +100,18 @@ class ThreadTuner:
         threads = self._trial[0] if self._is_trial_step else self.num_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+    def _follow_load(self) -> None:
+        """The ceiling set to the cores other processes leave free, when a new reading says so; a
+        changed ceiling becomes the count, any trial is dropped and the next comes early."""
+        busy = self._load.busy_cores() if self._load is not None else None
+        if busy is None:
+            return
+        ceiling = max(1, min(self.max_threads, self._load.num_cpus - int(busy + 1 - BUSY_CORE)))
+        if ceiling != self.ceiling:
+            self.ceiling = self.num_threads = ceiling
+            self._trial, self._reference = [], None
+            self._steps_to_trial, self._period = FIRST_TRIAL_STEP, TRIAL_PERIOD // 2
 
     def release(self) -> None:
         """Give torch its ceiling back (the engine is idle: code outside a run sees the count it set)."""

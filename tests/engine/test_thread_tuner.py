@@ -1,10 +1,18 @@
-"""The thread tuner: every core while that is fastest, fewer while another process is busy."""
+"""The thread tuner: every core while that is fastest, fewer while another process is busy; and
+its reading of how busy other processes keep this process's CPUs."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
+from batchgen.engine import other_load
+from batchgen.engine.other_load import OtherLoad
 from batchgen.engine.thread_tuner import (DECISIVE_STEPS, FIRST_TRIAL_STEP, MAX_TRIAL_PERIOD, TRIAL_MAX_TOKENS,
                                           TRIAL_PERIOD, TRIAL_STEPS, ThreadTuner)
 from tests.conftest import torch_threads
@@ -29,14 +37,14 @@ def run_steps(tuner: ThreadTuner, num_steps: int, seconds_at: dict[int, float], 
 
 
 def test_a_quiet_machine_keeps_every_thread(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     counts = run_steps(tuner, 200, {3: 1.3, 4: 1.0})
     assert tuner.num_threads == 4 and counts[:FIRST_TRIAL_STEP] == [4] * FIRST_TRIAL_STEP
     assert counts.count(3) <= 8  # two trials in 200 steps, the period doubling after each
 
 
 def test_a_busy_core_moves_it_down_one_thread_per_trial_and_back_when_the_load_goes(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     busy = {1: 3.0, 2: 1.6, 3: 4.0, 4: 5.0}  # another process keeps two cores busy: 2 threads are best
     run_steps(tuner, FIRST_TRIAL_STEP + 12 + TRIAL_PERIOD + 12, busy)
     assert tuner.num_threads == 2
@@ -47,7 +55,7 @@ def test_a_busy_core_moves_it_down_one_thread_per_trial_and_back_when_the_load_g
 
 
 def test_a_trial_compares_steps_of_one_size_only(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     counts = run_steps(tuner, FIRST_TRIAL_STEP + 50, {3: 0.1, 4: 1.0}, sizes=(400, 32))
     assert set(counts) == {4} and tuner.num_threads == 4  # each step of the other size restarts the trial
     run_steps(tuner, 12, {3: 0.1, 4: 1.0}, sizes=(40, 36))  # close enough: the trial completes
@@ -55,7 +63,7 @@ def test_a_trial_compares_steps_of_one_size_only(four_threads):
 
 
 def test_steps_above_the_trial_size_run_at_the_chosen_count_and_leave_the_trial_going(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     big = TRIAL_MAX_TOKENS + 1
     counts = run_steps(tuner, FIRST_TRIAL_STEP + 200, {3: 0.1, 4: 1.0}, sizes=(big,))
     assert set(counts) == {4} and tuner.num_threads == 4  # never a trial
@@ -66,11 +74,11 @@ def test_steps_above_the_trial_size_run_at_the_chosen_count_and_leave_the_trial_
 
 
 def test_a_decisive_trial_ends_early_and_a_close_one_runs_all_its_steps(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     run_steps(tuner, FIRST_TRIAL_STEP, {4: 1.0})
     counts = run_steps(tuner, 2 * DECISIVE_STEPS + 2, {3: 1.5, 4: 1.0})
     assert counts == [4, 3] * DECISIVE_STEPS + [4, 4] and tuner.num_threads == 4  # every 3-thread step slower
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     run_steps(tuner, FIRST_TRIAL_STEP, {4: 1.0})
     noisy = iter([1.0, 1.2, 1.3, 1.1] + [1.0, 1.5] * TRIAL_STEPS)  # 4, 3, 4, 3 threads, ...: the steps overlap
     counts = []
@@ -82,7 +90,7 @@ def test_a_decisive_trial_ends_early_and_a_close_one_runs_all_its_steps(four_thr
 
 
 def test_release_gives_torch_its_count_back(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     run_steps(tuner, FIRST_TRIAL_STEP + 12, {3: 1.0, 4: 2.0})
     assert tuner.num_threads == 3 and torch.get_num_threads() == 3
     tuner.release()
@@ -92,7 +100,7 @@ def test_release_gives_torch_its_count_back(four_threads):
 
 
 def test_steps_that_slow_down_start_a_trial_at_once(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     quiet, busy = {3: 1.3, 4: 1.0}, {3: 1.1, 4: 2.5}
     run_steps(tuner, 1000, quiet)  # the period has grown past the steps left
     assert tuner.num_threads == 4
@@ -104,6 +112,48 @@ def test_steps_that_slow_down_start_a_trial_at_once(four_threads):
 
 
 def test_a_step_only_a_little_slower_starts_no_trial(four_threads):
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(None)
     run_steps(tuner, 1000, {3: 1.3, 4: 1.0})
     assert run_steps(tuner, 20, {3: 1.3, 4: 1.9}) == [4] * 20  # longer contexts, say: under SLOWDOWN
+
+
+class ScriptedLoad:
+    """Readings of other processes' busy cores, one per step (None: no new reading yet)."""
+
+    def __init__(self, num_cpus: int, readings: list[float | None]):
+        self.num_cpus = num_cpus
+        self.readings = iter(readings)
+
+    def busy_cores(self) -> float | None:
+        return next(self.readings, None)
+
+
+def test_cores_others_keep_busy_cap_the_count_at_once(four_threads):
+    readings = [0.1] + [None] * 99 + [1.2] + [None] * 9 + [2.5] + [None] * 9 + [0.2]
+    tuner = ThreadTuner(ScriptedLoad(4, readings))
+    counts = run_steps(tuner, 130, {1: 3.0, 2: 1.6, 3: 1.3, 4: 1.0}, sizes=(2048,))  # steps too large to trial
+    assert counts[:100] == [4] * 100  # 0.1 of a core busy: every core
+    assert counts[100:110] == [3] * 10  # 1.2 cores: one taken
+    assert counts[110:120] == [1] * 10  # 2.5 cores: three taken (BUSY_CORE)
+    assert counts[120:] == [4] * 10  # quiet again
+
+
+def test_a_capped_count_trials_only_below_the_cap(four_threads):
+    tuner = ThreadTuner(ScriptedLoad(4, [2.0]))
+    counts = run_steps(tuner, FIRST_TRIAL_STEP + 12, {1: 3.0, 2: 1.0, 3: 0.5, 4: 0.4})
+    assert set(counts) == {1, 2} and tuner.num_threads == 2  # never 3 or 4 while others hold two cores
+
+
+def test_a_spinning_process_reads_as_a_busy_core():
+    load = OtherLoad.open()
+    assert load is not None and load.busy_cores() is None  # too soon for a reading
+    cpu = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(other_load.WINDOW_S + 0.1)
+        load.busy_cores()  # the window with the spinner starting
+        time.sleep(other_load.WINDOW_S + 0.1)
+        assert load.busy_cores() > 0.8
+    finally:
+        spinner.kill()
+        spinner.wait()
