@@ -43,9 +43,13 @@ Invariants:
   processes leave free. torch has a count other than the
   ceiling only while the engine has work (`release` when it has none); a change costs ~0.1 ms,
   so it is made only when the count changes.
-- Only the thread count changes. Tokens do not depend on it: torch's and oneDNN's CPU kernels
-  split work by rows and columns, not by the reduced dimension, and the attention kernel gives
-  each (sequence, head) to one thread (fp32 logprobs measured equal with 1 and 2 threads).
+- Only the thread count changes. In float32 tokens do not depend on it: torch's and oneDNN's
+  CPU kernels split work by rows and columns, not by the reduced dimension, and the attention
+  kernels give each (sequence, head) to one thread (fp32 logprobs and products measured equal
+  with 1 and 2 threads). In bfloat16 oneDNN's AMX GEMM blocks some prefill products' sums
+  differently at one thread (1,024 x 576 x 1,536 differs in the last bf16 bit of some outputs;
+  the other shapes of the default model's steps, and batchgen's own bf16 kernel, are equal), so
+  bf16 greedy tokens may differ between a quiet run and a loaded one (long-out: 18 of 32 rows).
 """
 
 from __future__ import annotations
