@@ -9,8 +9,9 @@ us) summed over the CPUs this process may run on, less this process's own CPU ti
 Invariants:
 - `OtherLoad.open()` is None where /proc/stat cannot be read (not Linux): callers then go on
   without it.
-- `busy_cores()` answers only once `WINDOW_S` seconds have passed since its last answer (the
-  counters tick every 10 ms), else None; an answer covers exactly that interval.
+- `busy_cores()` answers only once `WINDOW_S` seconds have passed since its last answer or
+  `restart()` (the counters tick every 10 ms), else None; an answer covers exactly that
+  interval.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ class OtherLoad:
                     values = [int(value) for value in fields[1:]]
                     busy_ticks += sum(values[i] for i in BUSY_FIELDS if i < len(values))
         return wall, busy_ticks * self._tick_s - own
+
+    def restart(self) -> None:
+        """Leave out the time since the last answer: the next covers only what comes after."""
+        try:
+            self._last = self._sample()
+        except OSError:
+            pass
 
     def busy_cores(self) -> float | None:
         """The cores other processes kept busy since the last answer (0 on a quiet machine, 1.0

@@ -25,9 +25,10 @@ spinning a core, long-out's decode steps took 300 ms at two threads against 30 m
 run 77 s against 8 s (0.10 of quiet) with no trial due.
 
 Where the OS says how busy each CPU is (`OtherLoad`, Linux), the count is also capped at the
-cores other processes leave free, read every `other_load.WINDOW_S` seconds (a core counts as
-taken once others keep it `BUSY_CORE` busy): a changed cap becomes the count at once, and the
-next trial comes early. Trials find a busy core only on small steps, and a prefill-heavy run
+cores other processes leave free, read every `other_load.WINDOW_S` seconds while the engine
+has work (a core counts as taken once others keep it `BUSY_CORE` busy; the time the engine was
+idle, when others' work is no competition, is left out): a changed cap becomes the count at
+once, and the next trial comes early. Trials find a busy core only on small steps, and a prefill-heavy run
 has few: no-sharing with one process spinning a core took 77.6 s at two threads against 12.2 s
 quiet.
 
@@ -77,6 +78,7 @@ class ThreadTuner:
         self.ceiling = self.max_threads  # the most threads: max_threads, or the cores others leave free
         self.num_threads = self.max_threads
         self._load = load
+        self._is_idle = False  # `release` ran: the next step reads other processes' load afresh
         self._steps_to_trial = FIRST_TRIAL_STEP
         self._period = TRIAL_PERIOD // 2  # the first trial that keeps the count doubles it to TRIAL_PERIOD
         self._trial: list[int] = []  # the counts of the trial's steps still to run, in order
@@ -108,7 +110,13 @@ class ThreadTuner:
     def _follow_load(self) -> None:
         """The ceiling set to the cores other processes leave free, when a new reading says so; a
         changed ceiling becomes the count, any trial is dropped and the next comes early."""
-        busy = self._load.busy_cores() if self._load is not None else None
+        if self._load is None:
+            return
+        if self._is_idle:
+            self._load.restart()
+            self._is_idle = False
+            return
+        busy = self._load.busy_cores()
         if busy is None:
             return
         ceiling = max(1, min(self.max_threads, self._load.num_cpus - int(busy + 1 - BUSY_CORE)))
@@ -119,6 +127,7 @@ class ThreadTuner:
 
     def release(self) -> None:
         """Give torch its ceiling back (the engine is idle: code outside a run sees the count it set)."""
+        self._is_idle = True
         if torch.get_num_threads() != self.max_threads:
             torch.set_num_threads(self.max_threads)
 

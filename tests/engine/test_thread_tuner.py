@@ -123,9 +123,13 @@ class ScriptedLoad:
     def __init__(self, num_cpus: int, readings: list[float | None]):
         self.num_cpus = num_cpus
         self.readings = iter(readings)
+        self.num_restarts = 0
 
     def busy_cores(self) -> float | None:
         return next(self.readings, None)
+
+    def restart(self) -> None:
+        self.num_restarts += 1
 
 
 def test_cores_others_keep_busy_cap_the_count_at_once(four_threads):
@@ -157,3 +161,12 @@ def test_a_spinning_process_reads_as_a_busy_core():
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_a_run_after_an_idle_engine_reads_the_load_afresh(four_threads):
+    load = ScriptedLoad(4, [2.5, 0.1])
+    tuner = ThreadTuner(load)
+    assert run_steps(tuner, 1, {1: 1.0}) == [1]  # others hold three cores
+    tuner.release()
+    # the run's first step starts a new reading (the idle time is left out); the next reads 0.1
+    assert run_steps(tuner, 2, {1: 1.0, 4: 1.0}) == [1, 4] and load.num_restarts == 1
