@@ -78,7 +78,7 @@ class ThreadTuner:
         self.ceiling = self.max_threads  # the most threads: max_threads, or the cores others leave free
         self.num_threads = self.max_threads
         self._load = load
-        self._is_idle = False  # `release` ran: the next step reads other processes' load afresh
+        self._is_idle = True  # no step yet, or `release` ran: the next step reads other processes' load afresh
         self._steps_to_trial = FIRST_TRIAL_STEP
         self._period = TRIAL_PERIOD // 2  # the first trial that keeps the count doubles it to TRIAL_PERIOD
         self._trial: list[int] = []  # the counts of the trial's steps still to run, in order

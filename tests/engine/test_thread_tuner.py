@@ -135,17 +135,18 @@ class ScriptedLoad:
 def test_cores_others_keep_busy_cap_the_count_at_once(four_threads):
     readings = [0.1] + [None] * 99 + [1.2] + [None] * 9 + [2.5] + [None] * 9 + [0.2]
     tuner = ThreadTuner(ScriptedLoad(4, readings))
-    counts = run_steps(tuner, 130, {1: 3.0, 2: 1.6, 3: 1.3, 4: 1.0}, sizes=(2048,))  # steps too large to trial
-    assert counts[:100] == [4] * 100  # 0.1 of a core busy: every core
-    assert counts[100:110] == [3] * 10  # 1.2 cores: one taken
-    assert counts[110:120] == [1] * 10  # 2.5 cores: three taken (BUSY_CORE)
-    assert counts[120:] == [4] * 10  # quiet again
+    # steps too large to trial; the first starts the first reading, which the second step takes
+    counts = run_steps(tuner, 131, {1: 3.0, 2: 1.6, 3: 1.3, 4: 1.0}, sizes=(2048,))
+    assert counts[:101] == [4] * 101  # 0.1 of a core busy: every core
+    assert counts[101:111] == [3] * 10  # 1.2 cores: one taken
+    assert counts[111:121] == [1] * 10  # 2.5 cores: three taken (BUSY_CORE)
+    assert counts[121:] == [4] * 10  # quiet again
 
 
 def test_a_capped_count_trials_only_below_the_cap(four_threads):
     tuner = ThreadTuner(ScriptedLoad(4, [2.0]))
     counts = run_steps(tuner, FIRST_TRIAL_STEP + 12, {1: 3.0, 2: 1.0, 3: 0.5, 4: 0.4})
-    assert set(counts) == {1, 2} and tuner.num_threads == 2  # never 3 or 4 while others hold two cores
+    assert set(counts[1:]) == {1, 2} and tuner.num_threads == 2  # never 3 or 4 while others hold two cores
 
 
 def test_a_spinning_process_reads_as_a_busy_core():
@@ -166,7 +167,7 @@ def test_a_spinning_process_reads_as_a_busy_core():
 def test_a_run_after_an_idle_engine_reads_the_load_afresh(four_threads):
     load = ScriptedLoad(4, [2.5, 0.1])
     tuner = ThreadTuner(load)
-    assert run_steps(tuner, 1, {1: 1.0}) == [1]  # others hold three cores
+    assert run_steps(tuner, 2, {1: 1.0, 4: 1.0}) == [4, 1]  # a first reading, then others hold three cores
     tuner.release()
     # the run's first step starts a new reading (the idle time is left out); the next reads 0.1
-    assert run_steps(tuner, 2, {1: 1.0, 4: 1.0}) == [1, 4] and load.num_restarts == 1
+    assert run_steps(tuner, 2, {1: 1.0, 4: 1.0}) == [1, 4] and load.num_restarts == 2
