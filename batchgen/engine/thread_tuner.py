@@ -28,9 +28,9 @@ Where the OS says how busy each CPU is (`OtherLoad`, Linux), the count is also c
 cores other processes leave free, read every `other_load.WINDOW_S` seconds while the engine
 has work (a core counts as taken once others keep it `BUSY_CORE` busy; the time the engine was
 idle, when others' work is no competition, is left out): a changed cap becomes the count at
-once, and the next trial comes early. Trials find a busy core only on small steps, and a prefill-heavy run
-has few: no-sharing with one process spinning a core took 77.6 s at two threads against 12.2 s
-quiet.
+once, and the next trial comes early. Trials find a busy core only on small steps, and a
+prefill-heavy run has few: no-sharing with one process spinning a core took 77.6 s at two
+threads against 12.2 s quiet.
 
 Only steps of at most `TRIAL_MAX_TOKENS` tokens are trial steps; larger ones run at the chosen
 count. A trial costs its steps' time at a worse count, and on a 2048-token prefill step that was
@@ -39,11 +39,11 @@ at two, 16% of the run). A large step is also where a busy core hurts least: its
 each wait on a long share of work.
 
 Invariants:
-- The count stays within 1 .. the ceiling: torch's count when the tuner was made
-  (``OMP_NUM_THREADS`` or ``torch.set_num_threads`` set it), or fewer, the cores other
-  processes leave free. torch has a count other than the
-  ceiling only while the engine has work (`release` when it has none); a change costs ~0.1 ms,
-  so it is made only when the count changes.
+- The count stays within 1 .. the ceiling: `max_threads`, torch's count when the tuner was
+  made (``OMP_NUM_THREADS`` or ``torch.set_num_threads`` set it), or fewer, the cores other
+  processes leave free. torch has a count other than `max_threads` only while the engine has
+  work (`release` when it has none); a change costs ~0.1 ms, so it is made only when the count
+  changes.
 - Only the thread count changes. In float32 tokens do not depend on it: torch's and oneDNN's
   CPU kernels split work by rows and columns, not by the reduced dimension, and the attention
   kernels give each (sequence, head) to one thread (fp32 logprobs and products measured equal
@@ -78,14 +78,14 @@ class ThreadTuner:
         self.ceiling = self.max_threads  # the most threads: max_threads, or the cores others leave free
         self.num_threads = self.max_threads
         self._load = load
-        self._is_idle = True  # no step yet, or `release` ran: the next step reads other processes' load afresh
+        self._is_idle = True  # no step yet, or `release` ran: the next step starts a load reading afresh
         self._steps_to_trial = FIRST_TRIAL_STEP
         self._period = TRIAL_PERIOD // 2  # the first trial that keeps the count doubles it to TRIAL_PERIOD
         self._trial: list[int] = []  # the counts of the trial's steps still to run, in order
         self._seconds_per_token: dict[int, list[float]] = {}
         self._trial_tokens = 0  # the scheduled tokens of the trial's first step
         self._is_trial_step = False  # whether the step `start_step` set up is one of the trial's
-        self._reference: tuple[int, float] | None = None  # the last trial's size and its chosen count's seconds per token
+        self._reference: tuple[int, float] | None = None  # last trial's tokens, its chosen count's s per token
 
     def start_step(self, num_tokens: int) -> None:
         """Set torch's thread count for the next step, of `num_tokens` scheduled tokens: a trial's

@@ -153,7 +153,8 @@ def test_a_spinning_process_reads_as_a_busy_core():
     load = OtherLoad.open()
     assert load is not None and load.busy_cores() is None  # too soon for a reading
     cpu = min(os.sched_getaffinity(0))
-    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(other_load.WINDOW_S + 0.1)
         load.busy_cores()  # the window with the spinner starting
