@@ -15,10 +15,12 @@
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
  * MIN_PARALLEL_ELEMENTS elements: a call of a row or two runs on one thread. In a step the other
  * threads are awake (they just ran the GEMM before the call), and each core holds in its cache
- * the half of the rows it wrote, so from 8 decode rows on both threads win: in decode steps of
+ * the half of the rows it wrote, so from 16 decode rows on both threads win: in decode steps of
  * 32 rows at 256 positions (2-core Xeon with AMX, bf16), residual add + RMSNorm 23 -> 17 us a
  * call, rotary embeddings + K/V store 46 -> 30, SiLU * up 44 -> 27, the step 39.3 -> 34.5 ms,
- * with the threshold at 8,192 elements against 65,536.
+ * with the threshold at 8,192 elements against 65,536. (Each call alone with its data in
+ * cache, at the default model's widths, two threads were 1-1.4 us slower for RMSNorm at 4-8
+ * rows.)
  *
  * With AVX-512 (F, BW, VL) each row is one pass of 16-lane intrinsics (HAS_ROW16), else the
  * portable loops, which gcc vectorizes through temporary rows. Both compute the same operations
@@ -37,7 +39,7 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
-#define MIN_PARALLEL_ELEMENTS 2048
+#define MIN_PARALLEL_ELEMENTS 8192
 
 /* `value` rounded to bfloat16 when `is_bf16`, else unchanged. */
 static inline float round_to(float value, int is_bf16) {
