@@ -23,12 +23,12 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Constraints
 from batchgen.engine.logprobs import token_logprobs
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.other_load import OtherLoad
 from batchgen.engine.sampler import SamplingRow, TokenMasks, make_generator, sample
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop_checker import StopChecker
-from batchgen.engine.other_load import OtherLoad
 from batchgen.engine.thread_tuner import ThreadTuner
 from batchgen.models import eos_token_ids, max_context_len
 from batchgen.outputs import CompletionOutput, FinishReason, RequestOutput

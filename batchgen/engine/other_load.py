@@ -25,48 +25,49 @@ BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user, nice, system, irq, softirq, steal (idl
 
 
 class OtherLoad:
-    def __init__(self, cpus: set[int]):
+    def __init__(self, cpus: set[int], first_sample: tuple[float, float]):
         self.num_cpus = len(cpus)
         self._names = {f"cpu{cpu}" for cpu in cpus}
-        self._tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
-        self._last = self._sample()
+        self._last = first_sample
 
     @classmethod
     def open(cls) -> OtherLoad | None:
         """A reader for the CPUs this process may run on, or None where /proc/stat is unreadable."""
         try:
-            return cls(os.sched_getaffinity(0))
-        except (OSError, AttributeError, ValueError):
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
             return None
-
-    def _sample(self) -> tuple[float, float]:
-        """(wall seconds, the CPUs' busy seconds less this process's CPU seconds)."""
-        wall, own = time.monotonic(), time.process_time()
-        busy_ticks = 0
-        with open(STAT_PATH) as stat:
-            for line in stat:
-                fields = line.split()
-                if fields and fields[0] in self._names:
-                    values = [int(value) for value in fields[1:]]
-                    busy_ticks += sum(values[i] for i in BUSY_FIELDS if i < len(values))
-        return wall, busy_ticks * self._tick_s - own
+        first_sample = _sample({f"cpu{cpu}" for cpu in cpus})
+        return None if first_sample is None else cls(cpus, first_sample)
 
     def restart(self) -> None:
         """Leave out the time since the last answer: the next covers only what comes after."""
-        try:
-            self._last = self._sample()
-        except OSError:
-            pass
+        self._last = _sample(self._names) or self._last
 
     def busy_cores(self) -> float | None:
         """The cores other processes kept busy since the last answer (0 on a quiet machine, 1.0
         for one process spinning a core), once `WINDOW_S` has passed; else None."""
-        wall = time.monotonic()
-        if wall - self._last[0] < WINDOW_S:
+        if time.monotonic() - self._last[0] < WINDOW_S:
             return None
-        try:
-            sample = self._sample()
-        except OSError:
+        sample = _sample(self._names)
+        if sample is None:
             return None
         (last_wall, last_others), self._last = self._last, sample
         return max(0.0, (sample[1] - last_others) / (sample[0] - last_wall))
+
+
+def _sample(names: set[str]) -> tuple[float, float] | None:
+    """(wall seconds, the busy seconds of the CPUs `names` less this process's CPU seconds), or
+    None where /proc/stat cannot be read or parsed."""
+    wall, own = time.monotonic(), time.process_time()
+    busy_ticks = 0
+    try:
+        with open(STAT_PATH) as stat:
+            for line in stat:
+                fields = line.split()
+                if fields and fields[0] in names:
+                    values = [int(value) for value in fields[1:]]
+                    busy_ticks += sum(values[i] for i in BUSY_FIELDS if i < len(values))
+    except (OSError, ValueError):
+        return None
+    return wall, busy_ticks / os.sysconf("SC_CLK_TCK") - own

@@ -15,7 +15,8 @@ REFUSED = [
     ("block_size", 0), ("block_size", 1.5), ("block_size", True), ("block_size", "16"),
     ("kv_cache_memory", "lots"), ("kv_cache_memory", 0), ("kv_cache_memory", -5), ("kv_cache_memory", 1.5),
     ("max_num_seqs", -1), ("max_num_batched_tokens", "2048"), ("enable_prefix_caching", "yes"),
-    ("attention_backend", "fast"), ("pack_linear_weights", 1), ("kv_cache_prefault", "yes"), ("fused_step", "on"), ("no_such_option", 1),
+    ("attention_backend", "fast"), ("pack_linear_weights", 1), ("kv_cache_prefault", "yes"), ("fused_step", "on"),
+    ("no_such_option", 1),
 ]
 ACCEPTED = [
     {"dtype": "float32"}, {"kv_cache_memory": "512MiB"}, {"kv_cache_memory": 4096 * 1024}, {"block_size": 8},

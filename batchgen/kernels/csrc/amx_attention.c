@@ -568,12 +568,12 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
  * still runs on every thread. (With one set of 16 / group members per item, a step of 4 groups
  * x 16 members with 1,024 shared positions read each prefix four times, waiting on memory:
  * the 30 layers' calls took 28.5 ms with the K/V in the last-level cache, 46 ms with them in
- * memory; with the sets, 21-23 and 35-39 ms.) Positions go
- * DECODE_TILES key tiles at a time: the chunk's scores, the online softmax (log2 units,
- * float32) of the attending columns, then the products with the values, added to their float32
- * accumulators with the chunk's correction. Rows of a partial key tile outside the attended
- * positions are masked from the scores, and their V rows replaced by zeros (a stale slot may
- * hold anything, and 0 x NaN is NaN).
+ * memory; with the sets, 21-23 and 35-39 ms.)
+ * Positions go DECODE_TILES key tiles at a time: the chunk's scores, the online softmax (log2
+ * units, float32) of the attending columns, then the products with the values, added to their
+ * float32 accumulators with the chunk's correction. Rows of a partial key tile outside the
+ * attended positions are masked from the scores, and their V rows replaced by zeros (a stale
+ * slot may hold anything, and 0 x NaN is NaN).
  */
 
 #define DECODE_TILES 4         /* key tiles of 16 positions per chunk */
@@ -940,7 +940,8 @@ int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const
     DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                        block_tables, context_lens, num_heads, num_kv_heads, group, num_blocks, block_size,
                        max_blocks, scale * 1.4426950408889634f};
-    DecodeItem *items = (DecodeItem *)malloc(sizeof(DecodeItem) * (size_t)(num_seqs > 0 ? num_seqs * num_kv_heads : 1));
+    size_t max_items = num_seqs > 0 ? (size_t)num_seqs * (size_t)num_kv_heads : 1; /* see plan_decode_items */
+    DecodeItem *items = (DecodeItem *)malloc(sizeof(DecodeItem) * max_items);
     if (items == NULL) return STATUS_NO_MEMORY;
     int num_items = plan_decode_items(&p, num_seqs, groups, num_groups, items);
     int64_t work = 0;
