@@ -110,7 +110,7 @@ class FusedDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
                 logit_indices: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) of the rows `logit_indices` of a step of `len(input_ids)` tokens."""
+        """Logits (in the model's dtype) of the rows `logit_indices` of a step of `len(input_ids)` tokens."""
         num_tokens = len(input_ids)
         rows = StepRows.allocate(self.embed_tokens(F.pad(input_ids, (0, bucketed(num_tokens, self.row_bucket)
                                                                      - num_tokens))), num_tokens, self)
@@ -140,7 +140,7 @@ class FusedDecoder:
                                      self.eps)
         kept = rows.normed[logit_indices]
         kept = F.pad(kept, (0, 0, 0, bucketed(len(kept), self.row_bucket) - len(kept)))
-        return packed_linear(kept, self.lm_head)[: len(logit_indices)].float()
+        return packed_linear(kept, self.lm_head)[: len(logit_indices)]
 
 
 @dataclass

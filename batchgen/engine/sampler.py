@@ -29,7 +29,8 @@ Invariants:
   keeps at least one candidate.
 - Work a batch does not need is skipped: no sort unless some row uses top-k
   or top-p, no penalty pass unless some row has a penalty, and a batch of
-  only greedy rows is a single argmax.
+  only greedy rows with nothing to mask or penalise is a single argmax over the
+  logits as they come (a bf16 model's: no float32 copy; the argmax is the same).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[in
     """Pick one token id per row of ``logits`` (``[len(rows), vocab]``, any float dtype)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
+    if _is_argmax_only(rows, masks):
+        return argmax_rows(logits).tolist()
     logits = logits.float()
     greedy_masks, sampled_masks = _split_masks(masks, rows)
     if sampled_masks.rows:
@@ -97,6 +100,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[in
     index = torch.tensor(sampled_rows, device=logits.device)
     sampled_ids = _sample_non_greedy(logits.index_select(0, index), [rows[i] for i in sampled_rows])
     return token_ids.index_copy(0, index, sampled_ids).tolist()
+
+
+def _is_argmax_only(rows: list[SamplingRow], masks: TokenMasks | None) -> bool:
+    """Whether every row's token is its argmax of the unchanged logits: greedy, no mask, no
+    penalty, past min_tokens."""
+    return ((masks is None or not masks.rows) and not _penalised_rows(rows)
+            and all(row.params.is_greedy and row.num_output_tokens >= row.params.min_tokens for row in rows))
 
 
 def _split_masks(masks: TokenMasks | None, rows: list[SamplingRow]) -> tuple[TokenMasks, TokenMasks]:
@@ -151,7 +161,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     Token lists are padded with the row's own first token, so padding only
     repeats an update that is already there.
     """
-    penalised = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.token_ids]
+    penalised = _penalised_rows(rows)
     if not penalised:
         return logits
     device = logits.device
@@ -168,6 +178,11 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     seen = selected.gather(1, padded)
     seen = torch.where(seen > 0, seen / penalties, seen * penalties)
     return logits.index_copy(0, index, selected.scatter(1, padded, seen))
+
+
+def _penalised_rows(rows: list[SamplingRow]) -> list[int]:
+    """The rows whose repetition penalty changes their logits."""
+    return [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.token_ids]
 
 
 def _sample_non_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
