@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from batchgen.engine.sampler import SamplingRow, make_generator, sample
+from batchgen.engine import sampler
+from batchgen.engine.sampler import SamplingRow, TokenMasks, make_generator, sample
 from batchgen.sampling_params import SamplingParams
 
 EOS = 0
@@ -227,3 +228,20 @@ def test_mixed_batch_keeps_row_order():
 def test_rows_must_match_logits():
     with pytest.raises(ValueError, match="num_rows=1"):
         sample(torch.zeros(2, 4), [make_row()], [EOS])
+
+
+def test_a_batch_past_one_chunk_samples_each_row_as_alone(monkeypatch):
+    monkeypatch.setattr(sampler, "CHUNK_BYTES", 3 * 4 * 16)  # chunks of 3 rows of 16 logits
+    logits = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+    kinds = [dict(seed=10 + i) if i % 3 else dict(temperature=0.0) for i in range(8)]
+    allowed = {4: [2, 3], 7: [5, 9, 11]}  # a greedy row and a sampled row, in different chunks
+
+    def bitmask(row: int) -> torch.Tensor:
+        return torch.tensor([[sum(1 << t for t in allowed[row])]], dtype=torch.int32)
+
+    masks = TokenMasks(list(allowed), torch.cat([bitmask(row) for row in allowed]))
+    batch = sample(logits, [make_row(**kind) for kind in kinds], [EOS], masks)
+    alone = [sample(logits[i : i + 1], [make_row(**kinds[i])], [EOS],
+                    TokenMasks([0], bitmask(i)) if i in allowed else None)[0] for i in range(8)]
+    assert batch == alone
+    assert batch[4] in allowed[4] and batch[7] in allowed[7]
