@@ -5,7 +5,7 @@
  *   bg_bf16_gemm_available       1 where this build holds a kernel and may run it, else 0
  *   bg_bf16_gemm_input_multiple  the multiple of k the kernel takes (2; 32 on the AMX path)
  *   bg_bf16_gemm_max_rows        the most rows of a product for which the kernel beats oneDNN
- *                                (no limit on the AVX512-BF16 path; 64 on the AMX path)
+ *                                (no limit on the AVX512-BF16 path; 1,536 on the AMX path)
  *   bg_bf16_gemm_panel_columns   output columns per panel of the weight layout (96; 32 on the
  *                                AMX path)
  *   bg_bf16_linear               out[m, n] = bf16(x[m, k] @ w.T + bias): float32 sums of exact
@@ -31,20 +31,22 @@
  * compute.
  *
  * AMX path: a block of 32 rows x 32 columns is four 16 x 16 float32 accumulator tiles, fed per
- * 32 inputs by two tiles of x rows and two of the panel (tmm0-7, all eight); the block asks for
- * the weight's lines two chunks ahead, in its last chunks the next block's first lines (3-4% on
- * a decode step's products at 32 and 64 rows against asking past the block's end). A panel is
- * one block's 32 columns, so a block reads its weight as one contiguous stream, which the
- * core's own prefetcher follows: the 30 layers' products and the lm_head 13.87 ms against
- * 14.61 with 96-column panels (of which a block read a third of each 384-byte row) at 32 rows,
- * 22.05 against 24.77 at 64, 13.51 against 15.46 at 16 (weights cold, medians of 15). The
- * rows past the last multiple of 32 run after the full blocks, with tiles configured to their
- * count (nothing past row m is read). It is built for decode steps, where a product's weights
- * stream from memory once: here (2-core Intel Xeon with AMX, the default model's products, all
- * 30 layers' weights cold) 32 rows took 11.1-12.1 ms against oneDNN's 14.4-15.2 (1.25-1.37x)
- * before the two changes above, 64 rows 15.5 against 16.0-16.8; from 128 rows on oneDNN's AMX
- * kernels are faster (256 rows: 1.1-1.25x, 2,048: 1.3-1.6x), and `bg_bf16_gemm_max_rows` says
- * so.
+ * 32 inputs by two tiles of x rows and two of the panel (tmm0-7, all eight). A panel is one
+ * block's 32 columns, so a block reads its weight as one contiguous stream: the 30 layers'
+ * products and the lm_head 13.87 ms against 14.61 with 96-column panels (of which a block read a
+ * third of each 384-byte row) at 32 rows, 22.05 against 24.77 at 64 (weights cold, medians of
+ * 15). The row blocks of a panel (one at 32 rows, eight at 256) ask for the next panel's whole
+ * weight into L2 (prefetcht2), each block an equal share spread over its chunks: the weight
+ * streams from memory while every block computes, where asking two chunks ahead into L1 kept
+ * memory busy only during a panel's first block, and a software prefetch into L1 holds one of
+ * the core's few line-fill buffers until its line arrives. The rows past the last multiple of
+ * 32 run after the full blocks, with tiles configured to their count (nothing past row m is
+ * read). Here (2-core Intel Xeon with AMX, the default model's 30 layers' products, weights
+ * cold, output allocated per call, medians of 6): 32 rows 12.9 ms against oneDNN's 18.3, 128
+ * rows 24.7 against 31.0 (with the lm_head), 256 rows 30.6 against 63.1, 1,024 rows 116 against
+ * 194-235, 1,536 rows 188 against 281, and 2,048 rows 293 against 247 (layers alone); asking
+ * two chunks ahead, 256 rows took 34.3 and 2,048 297. `bg_bf16_gemm_max_rows` is 1,536: oneDNN
+ * runs larger products (a 2,048-token prefill chunk).
  */
 #include <stdint.h>
 
@@ -78,9 +80,8 @@ static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, 
 
 #define CHUNK_INPUTS 32                   /* inputs per tile product: 16 pairs */
 #define BLOCK_ROWS 32                     /* two tiles of 16 x rows */
-#define PREFETCH_CHUNKS 2                 /* a block asks for the weight's lines this many chunks ahead */
 #define INPUT_MULTIPLE CHUNK_INPUTS
-#define MAX_ROWS 64
+#define MAX_ROWS 1536
 /* tile registers: four accumulators (top / bottom rows x left / right columns), two x, two weight */
 #define C_TOP_LEFT 0
 #define C_TOP_RIGHT 1
@@ -104,8 +105,10 @@ static void configure_tiles(int top, int bottom) {
 }
 
 /* One block: rows [0, top + bottom) of x (row stride k) times the 32 panel columns at `w`, into
- * `sums` as four 16 x 16 float32 tiles (top left, top right, bottom left, bottom right). */
-static void block(const uint16_t *x, int64_t k, int bottom, const uint16_t *w, const uint16_t *next, float *sums) {
+ * `sums` as four 16 x 16 float32 tiles (top left, top right, bottom left, bottom right); its
+ * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly. */
+static void block(const uint16_t *x, int64_t k, int bottom, const uint16_t *w, const char *ahead,
+                  int64_t ahead_lines, float *sums) {
     const int64_t x_stride = k * 2, w_stride = PANEL_COLUMNS * 4, w_chunk = CHUNK_INPUTS * PANEL_COLUMNS;
     _tile_zero(C_TOP_LEFT);
     _tile_zero(C_TOP_RIGHT);
@@ -113,17 +116,11 @@ static void block(const uint16_t *x, int64_t k, int bottom, const uint16_t *w, c
         _tile_zero(C_BOTTOM_LEFT);
         _tile_zero(C_BOTTOM_RIGHT);
     }
-    const int64_t chunks = k / CHUNK_INPUTS;
+    const int64_t chunks = k / CHUNK_INPUTS, per_chunk = (ahead_lines + chunks - 1) / chunks;
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *chunk = w + c * w_chunk;
-        int64_t a = c + PREFETCH_CHUNKS;
-        const char *ahead = a < chunks ? (const char *)(w + a * w_chunk)
-                          : (next != 0 && a - chunks < chunks) ? (const char *)(next + (a - chunks) * w_chunk) : 0;
-        if (ahead != 0)
-            for (int line = 0; line < CHUNK_INPUTS / 2; line++) {
-                _mm_prefetch(ahead + line * w_stride, _MM_HINT_T0);
-                _mm_prefetch(ahead + line * w_stride + LINE_BYTES, _MM_HINT_T0);
-            }
+        for (int64_t line = c * per_chunk; line < (c + 1) * per_chunk && line < ahead_lines; line++)
+            _mm_prefetch(ahead + line * LINE_BYTES, _MM_HINT_T2);
         _tile_loadd(X_TOP, x + c * CHUNK_INPUTS, x_stride);
         _tile_loadd(W_LEFT, chunk, w_stride);
         _tile_dpbf16ps(C_TOP_LEFT, X_TOP, W_LEFT);
@@ -144,7 +141,8 @@ static void block(const uint16_t *x, int64_t k, int bottom, const uint16_t *w, c
 }
 
 /* Rows [first_row, last_row) of the product over panels [first, last), in blocks of `rows`
- * (the tiles are configured for it; every block but none past last_row is full). */
+ * (the tiles are configured for it; every block but none past last_row is full). The blocks of
+ * a panel ask for the next panel's weight (its k lines) into L2, each block an equal share. */
 static void row_pass(const uint16_t *x, int64_t k, const uint16_t *weight, const uint16_t *bias, int64_t n,
                      uint16_t *out, int64_t first, int64_t last, int64_t first_row, int64_t last_row, int rows) {
     float sums[4 * 256] __attribute__((aligned(64)));
@@ -156,8 +154,11 @@ static void row_pass(const uint16_t *x, int64_t k, const uint16_t *weight, const
             int64_t next_col = col + 2 * BLOCK_COLUMNS, next_p = next_col < (p + 1) * PANEL_COLUMNS ? p : p + 1;
             const uint16_t *next = next_p < last && next_col < n
                 ? weight + next_p * panel_elements + (next_col - next_p * PANEL_COLUMNS) * 2 : 0;
-            for (int64_t row = first_row; row < last_row; row += rows) {
-                block(x + row * k, k, bottom, w, next, sums);
+            int64_t blocks = (last_row - first_row + rows - 1) / rows, next_lines = next != 0 ? k : 0;
+            for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
+                int64_t from = next_lines * b / blocks, to = next_lines * (b + 1) / blocks;
+                block(x + row * k, k, bottom, w, next != 0 ? (const char *)next + from * LINE_BYTES : 0, to - from,
+                      sums);
                 for (int r = 0; r < rows; r++) {
                     const float *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
                     store_block(out + (row + r) * n, _mm512_load_ps(tile_row), bias, col, n);
