@@ -5,8 +5,8 @@ products well below the CPU's bf16 rate; the C kernel runs them 1.2-1.5x faster 
 about as fast as oneDNN at 2,048, so it runs every product there. On a CPU with AMX-BF16 the
 build's kernel is made of AMX tile products: 1.4x oneDNN at 32 rows, where the weights stream
 from memory, 1.3-2x from 128 to 1,536 rows, slower than oneDNN's at 2,048 (see the source's
-header), so it runs only products of up to `max_rows()` rows. `is_available` says whether this machine's build
-holds a kernel; where it does not (no AVX512-BF16), callers use oneDNN.
+header), so it runs only products of up to `max_rows()` rows. `is_available` says whether this
+machine's build holds a kernel; where it does not (no AVX512-BF16), callers use oneDNN.
 
 Invariants:
 - `pack` copies a [n, k] weight (k even) into the kernel's panel layout once; both paths read it.
