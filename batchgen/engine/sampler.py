@@ -259,13 +259,14 @@ def _inverse_cdf_draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     """One token per row, token i with probability softmax(row)[i]: the first whose running sum
     of weights ``exp(logit)`` exceeds ``u`` times the row's total (rows hold their best logit at
     0, so weights are at most 1 and the best one's is 1). The target stays below the total, so
-    the token found has a positive weight (a -inf logit is never drawn). `logits` is this call's
-    own tensor: it is overwritten."""
+    the token found has a positive weight (a -inf logit is never drawn); a row whose sums are
+    NaN (a NaN or +inf logit) gets the vocabulary's last token, never an id past it. `logits` is
+    this call's own tensor: it is overwritten."""
     running = logits.exp_().cumsum_(dim=-1)
     totals = running[:, -1:]
     targets = torch.minimum(_uniform_draws(rows, logits.device).unsqueeze(1) * totals,
                             torch.nextafter(totals, torch.zeros_like(totals)))
-    return torch.searchsorted(running, targets, right=True).squeeze(1)
+    return torch.searchsorted(running, targets, right=True).squeeze(1).clamp_max_(logits.shape[1] - 1)
 
 
 def _uniform_draws(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:

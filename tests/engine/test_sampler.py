@@ -216,6 +216,19 @@ def test_seeded_distribution_matches_softmax():
     assert chi_square(counts, logits[0].softmax(-1)) < 16.3
 
 
+def test_rows_with_nan_or_infinite_logits_still_give_a_token_of_the_vocabulary():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(8))
+    logits[0, 7] = float("nan")
+    logits[1] = float("nan")
+    logits[2, [3, 9]] = float("inf")
+    logits[3] = -math.inf
+    logits[3, 12] = 0.0
+    rows = [make_row(seed=i) for i in range(4)]
+    tokens = sample(logits, rows, [EOS])
+    assert all(0 <= token < 50 for token in tokens)
+    assert tokens[3] == 12
+
+
 def test_mixed_batch_keeps_row_order():
     logits = torch.full((3, 10), -math.inf)
     logits[0, 4] = 0.0
