@@ -4,7 +4,7 @@ On a CPU with AVX512-BF16 and no AMX (AMD EPYC Zen 4 and later), oneDNN runs a d
 products well below the CPU's bf16 rate; the C kernel runs them 1.2-1.5x faster at 32 rows and
 about as fast as oneDNN at 2,048, so it runs every product there. On a CPU with AMX-BF16 the
 build's kernel is made of AMX tile products: 1.4x oneDNN at 32 rows, where the weights stream
-from memory, 1.3-2x from 128 to 1,536 rows, slower than oneDNN's at 2,048 (see the source's
+from memory, 1.0-1.2x from 64 to 1,024 rows, slower from 1,280 rows on (see the source's
 header), so it runs only products of up to `max_rows()` rows. `is_available` says whether this
 machine's build holds a kernel; where it does not (no AVX512-BF16), callers use oneDNN.
 
@@ -55,7 +55,7 @@ def takes(in_features: int) -> bool:
 
 def max_rows() -> int:
     """The most rows of a product for which this build's kernel beats oneDNN: UNLIMITED_ROWS on
-    the AVX512-BF16 path, 1,536 on the AMX path, 0 without a kernel."""
+    the AVX512-BF16 path, 1,024 on the AMX path, 0 without a kernel."""
     library = _library()
     return 0 if library is None else library.bg_bf16_gemm_max_rows()
 

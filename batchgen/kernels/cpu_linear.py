@@ -6,8 +6,9 @@ once into its blocked layout, runs them faster (2-core AMD EPYC, fp32, 32 rows: 
 layer's seven products, 1.79x on the lm_head; about even at 2048 rows; measured by
 scripts/bench_cpu_linear.py). bf16 weights on a CPU with AVX512-BF16 and no AMX go to
 `bf16_gemm`'s C kernel instead, faster than oneDNN there (1.2-1.5x at 32 rows); on a CPU with
-AMX, that kernel's AMX path runs products of up to 1,536 rows (decode steps and mixed steps:
-1.4x at 32 rows, 1.3-2x from 128 on) and oneDNN larger ones (a 2,048-token prefill chunk).
+AMX, that kernel's AMX path runs products of up to 1,024 rows (decode and mixed steps: 1.4x
+at 32 rows, 1.0-1.2x from 64 to 1,024) and oneDNN larger ones (a 2,048-token prefill chunk:
+1.4x faster there).
 
 Invariants:
 - `pack_weights` packs each weight once for the GEMMs that may run it: `bf16_gemm` for a bf16

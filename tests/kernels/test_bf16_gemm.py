@@ -50,7 +50,7 @@ def test_pack_places_each_column_pair_in_its_panel(build):
     assert not packed[1, :, 2:].any()  # columns past the weight's are zero
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 70, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 70, 300, 1100])
 @pytest.mark.parametrize("out_features, in_features", [(1, 2), (16, 64), (97, 578), (100, 96), (300, 1536), (40, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_is_the_float32_product_rounded_once(rows, out_features, in_features, threads):
@@ -78,7 +78,7 @@ def test_bias_is_added_before_rounding_and_non_contiguous_input_is_read_right():
 def test_the_amx_path_takes_inputs_in_multiples_of_32_and_leaves_large_products_to_onednn(build):
     is_amx = build is AMX_BUILD
     assert [bf16_gemm.takes(k) for k in (2, 578, 64)] == [not is_amx, not is_amx, True]
-    assert bf16_gemm.max_rows() == (1536 if is_amx else bf16_gemm.UNLIMITED_ROWS)
+    assert bf16_gemm.max_rows() == (1024 if is_amx else bf16_gemm.UNLIMITED_ROWS)
 
 
 def test_pack_weights_packs_for_the_gemms_that_run_each_row_count(build, monkeypatch):
@@ -89,10 +89,10 @@ def test_pack_weights_packs_for_the_gemms_that_run_each_row_count(build, monkeyp
     kernel_rows = []
     linear = bf16_gemm.linear
     monkeypatch.setattr(bf16_gemm, "linear", lambda x, *args: kernel_rows.append(len(x)) or linear(x, *args))
-    for rows in (32, 1536, 1568):
+    for rows in (32, 1024, 1056):
         x = random_bf16(rows, 64, seed=rows)
         assert_rounded_once(packed_linear(x, packed), x, torch.cat(weights), None)
-    assert kernel_rows == ([32, 1536] if build is AMX_BUILD else [32, 1536, 1568])
+    assert kernel_rows == ([32, 1024] if build is AMX_BUILD else [32, 1024, 1056])
 
 
 def test_pack_weights_sends_other_weights_to_onednn_alone():

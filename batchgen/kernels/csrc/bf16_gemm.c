@@ -5,7 +5,7 @@
  *   bg_bf16_gemm_available       1 where this build holds a kernel and may run it, else 0
  *   bg_bf16_gemm_input_multiple  the multiple of k the kernel takes (2; 32 on the AMX path)
  *   bg_bf16_gemm_max_rows        the most rows of a product for which the kernel beats oneDNN
- *                                (no limit on the AVX512-BF16 path; 1,536 on the AMX path)
+ *                                (no limit on the AVX512-BF16 path; 1,024 on the AMX path)
  *   bg_bf16_gemm_panel_columns   output columns per panel of the weight layout (96; 32 on the
  *                                AMX path)
  *   bg_bf16_linear               out[m, n] = bf16(x[m, k] @ w.T + bias): float32 sums of exact
@@ -39,14 +39,18 @@
  * weight into L2 (prefetcht2), each block an equal share spread over its chunks: the weight
  * streams from memory while every block computes, where asking two chunks ahead into L1 kept
  * memory busy only during a panel's first block, and a software prefetch into L1 holds one of
- * the core's few line-fill buffers until its line arrives. The rows past the last multiple of
- * 32 run after the full blocks, with tiles configured to their count (nothing past row m is
- * read). Here (2-core Intel Xeon with AMX, the default model's 30 layers' products, weights
- * cold, output allocated per call, medians of 6): 32 rows 12.9 ms against oneDNN's 18.3, 128
- * rows 24.7 against 31.0 (with the lm_head), 256 rows 30.6 against 63.1, 1,024 rows 116 against
- * 194-235, 1,536 rows 188 against 281, and 2,048 rows 293 against 247 (layers alone); asking
- * two chunks ahead, 256 rows took 34.3 and 2,048 297. `bg_bf16_gemm_max_rows` is 1,536: oneDNN
- * runs larger products (a 2,048-token prefill chunk).
+ * the core's few line-fill buffers until its line arrives. Rows go SUPER_ROWS at a time over
+ * the thread's panels, so their x (768 KB at 1,536 inputs) stays in L2 while the weight passes
+ * (the layers' products with weights made apart from the engine: 1,024 rows 115 ms in one pass
+ * over each panel against 109-110 in passes of 512, 2,048 rows 281 against 211).
+ * The rows past the last multiple of 32 run after the full blocks, with tiles configured to
+ * their count (nothing past row m is read). Here (2-core Intel Xeon with AMX; the engine's
+ * packed weights of the default model, its 30 layers' products, weights cold; oneDNN on the
+ * same weights' copies, interleaved, medians of 5): 64 rows 15.1 ms against oneDNN's 16.8, 128
+ * rows 18.8 against 22.3, 256 rows 29.3-29.7 against 28.9-29.9, 512 rows 54.1 against 58.4, 768
+ * rows 83.0 against 99.7, 1,024 rows 103-110 against 117-123; oneDNN changes its method past
+ * that and wins: 1,280 rows 144 against 135, 1,536 156 against 119-123, 2,048 202 against 146.
+ * `bg_bf16_gemm_max_rows` is 1,024.
  */
 #include <stdint.h>
 
@@ -81,7 +85,8 @@ static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, 
 #define CHUNK_INPUTS 32                   /* inputs per tile product: 16 pairs */
 #define BLOCK_ROWS 32                     /* two tiles of 16 x rows */
 #define INPUT_MULTIPLE CHUNK_INPUTS
-#define MAX_ROWS 1536
+#define MAX_ROWS 1024
+#define SUPER_ROWS 512                    /* rows whose x stays in L2 while the thread's panels pass */
 /* tile registers: four accumulators (top / bottom rows x left / right columns), two x, two weight */
 #define C_TOP_LEFT 0
 #define C_TOP_RIGHT 1
@@ -169,13 +174,16 @@ static void row_pass(const uint16_t *x, int64_t k, const uint16_t *weight, const
         }
 }
 
-/* Panels [first, last) of the product: the full blocks of 32 rows, then the rows past them. */
+/* Panels [first, last) of the product: the full blocks of 32 rows, SUPER_ROWS at a time over
+ * all the panels, then the rows past them. */
 static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const uint16_t *bias,
                         int64_t n, uint16_t *out, int64_t first, int64_t last) {
     int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
     if (full_rows > 0) {
         configure_tiles(16, 16);
-        row_pass(x, k, weight, bias, n, out, first, last, 0, full_rows, BLOCK_ROWS);
+        for (int64_t start = 0; start < full_rows; start += SUPER_ROWS)
+            row_pass(x, k, weight, bias, n, out, first, last, start,
+                     start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows, BLOCK_ROWS);
     }
     if (m > full_rows) {
         int rows = (int)(m - full_rows);
