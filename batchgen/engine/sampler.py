@@ -83,6 +83,10 @@ class TokenMasks:
     rows: list[int]
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)]
 
+    def picked(self, indices: list[int], first_row: int = 0) -> TokenMasks:
+        """The masks at `indices` of these, their logits rows numbered from `first_row`."""
+        return TokenMasks([self.rows[i] - first_row for i in indices], self.bitmask[indices])
+
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int],
            masks: TokenMasks | None = None) -> list[int]:
@@ -101,8 +105,7 @@ def _chunk_masks(masks: TokenMasks | None, start: int, end: int) -> TokenMasks |
     """The masks of logits rows start .. end - 1, numbered from start."""
     if masks is None:
         return None
-    picked = [i for i, row in enumerate(masks.rows) if start <= row < end]
-    return TokenMasks([masks.rows[i] - start for i in picked], masks.bitmask[picked])
+    return masks.picked([i for i, row in enumerate(masks.rows) if start <= row < end], start)
 
 
 def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int],
@@ -139,12 +142,8 @@ def _split_masks(masks: TokenMasks | None, rows: list[SamplingRow]) -> tuple[Tok
     if masks is None:
         return TokenMasks([], None), TokenMasks([], None)
     is_greedy = [rows[row].params.is_greedy for row in masks.rows]
-
-    def pick(wanted: bool) -> TokenMasks:
-        picked = [i for i, greedy in enumerate(is_greedy) if greedy is wanted]
-        return TokenMasks([masks.rows[i] for i in picked], masks.bitmask[picked])
-
-    return pick(True), pick(False)
+    return (masks.picked([i for i, greedy in enumerate(is_greedy) if greedy]),
+            masks.picked([i for i, greedy in enumerate(is_greedy) if not greedy]))
 
 
 def _constrained_argmax(logits: torch.Tensor, token_ids: torch.Tensor, masks: TokenMasks) -> torch.Tensor:

@@ -16,6 +16,8 @@
  */
 #include <stdint.h>
 
+#include "vector_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -24,9 +26,7 @@
 
 /* Element i of a float32 (is_bf16 0) or bfloat16 row, as float32. */
 static inline float value_at(const void *row, int64_t i, int is_bf16) {
-    if (!is_bf16) return ((const float *)row)[i];
-    union { uint32_t bits; float value; } widened = {(uint32_t)((const uint16_t *)row)[i] << 16};
-    return widened.value;
+    return is_bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
 /* The first NaN's index, or -1 when the row holds none. */
