@@ -313,10 +313,26 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
     return model, [flag for flag in MATRIX_FLAGS if flag in flags]
 
 
+def cpu_caches() -> dict[str, str]:
+    """The first CPU's data and unified caches by level, as the kernel reports them ({"L1": "48K",
+    "L2": "2048K", "L3": "491520K"}; empty where /sys does not say). A virtual machine may be shown
+    the host's whole last-level cache, shared with other tenants: a step whose weights and K/V fit
+    in it can run faster than the memory bandwidth alone allows, and vary with the neighbours' load."""
+    caches = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            kind, level, size = ((index / name).read_text().strip() for name in ("type", "level", "size"))
+        except OSError:
+            continue
+        if kind in ("Data", "Unified"):
+            caches[f"L{level}"] = size
+    return caches
+
+
 def machine_info(device: torch.device) -> dict:
     cpu_model, cpu_flags = cpu_model_and_flags()
     info = {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model,
-            "cpu_flags": cpu_flags, "num_cpus": psutil.cpu_count(),
+            "cpu_flags": cpu_flags, "cpu_caches": cpu_caches(), "num_cpus": psutil.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

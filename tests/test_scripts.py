@@ -113,6 +113,20 @@ def test_cpu_model_names_family_and_model_numbers(tmp_path, monkeypatch):
     assert bench.cpu_model_and_flags() == ("AMD EPYC (family 25, model 17)", ["avx2", "avx512f", "avx512_bf16"])
 
 
+def test_cpu_caches_list_data_and_unified_caches_by_level(tmp_path, monkeypatch):
+    for index, (kind, level, size) in enumerate([("Data", 1, "48K"), ("Instruction", 1, "64K"), ("Unified", 2, "2048K"),
+                                                  ("Unified", 3, "491520K")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (("type", kind), ("level", level), ("size", size)):
+            (folder / name).write_text(f"{value}\n")
+    (tmp_path / "index4").mkdir()  # a cache the kernel describes only in part
+    real_path = bench.Path
+    monkeypatch.setattr(bench, "Path", lambda name: tmp_path if name == "/sys/devices/system/cpu/cpu0/cache"
+                        else real_path(name))
+    assert bench.cpu_caches() == {"L1": "48K", "L2": "2048K", "L3": "491520K"}
+
+
 def test_step_products_are_the_fused_steps_own_where_it_runs():
     from batchgen import LLM
     from tests.conftest import tiny_model, tiny_tokenizer
