@@ -8,7 +8,7 @@ Invariants:
   float32 with an online softmax and writes every element of its output.
 - It runs on ``torch.get_num_threads()`` OpenMP threads, sharing torch's pool.
 - Decode ``groups`` (a shared prefix of adjacent sequences) change how the attention is computed,
-  never its result: on the AVX-512 path the prefix is attended once for all its sequences.
+  never its result: the prefix is attended once for all its sequences.
 """
 
 from __future__ import annotations

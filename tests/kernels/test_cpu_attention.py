@@ -138,8 +138,8 @@ def shared_prefix_inputs(dtype, seed, num_heads=9, num_kv_heads=3, head_dim=64, 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size",
                          [(9, 3, 64, 16), (8, 2, 32, 16), (16, 1, 64, 16), (9, 3, 64, 5)])
-def test_shared_prefix_groups_give_the_same_attention(dtype, atol, rtol, num_heads, num_kv_heads, head_dim,
-                                                      block_size):
+def test_shared_prefix_groups_give_the_same_attention(build, dtype, atol, rtol, num_heads, num_kv_heads,
+                                                      head_dim, block_size):
     # 20 members: two tiles of the cascade's first pass; a prefix ending inside a block
     q, k_cache, v_cache, block_tables, contexts = shared_prefix_inputs(dtype, 21, num_heads, num_kv_heads, head_dim,
                                                                        block_size)
@@ -160,7 +160,7 @@ def test_shared_prefix_groups_give_the_same_attention(dtype, atol, rtol, num_hea
     [[20, 24, 16]],                          # past the last sequence
     [[0, 20, 0]],                            # no prefix
 ])
-def test_bad_shared_prefix_groups_are_refused(groups):
+def test_bad_shared_prefix_groups_are_refused(build, groups):
     q, k_cache, v_cache, block_tables, contexts = shared_prefix_inputs(torch.float32, seed=22)
     with pytest.raises(ValueError, match="shared-prefix group"):
         cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125,

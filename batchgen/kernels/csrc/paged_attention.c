@@ -23,10 +23,11 @@
  * work items (sequence, 16 query tokens, kv head), computed in columns (a
  * tile's query rows are vector lanes; see attend_columns).
  *
- * Cascade decode (AVX-512 only): decode sequences given as a group share a
- * prefix of blocks; one column tile per (16 members, kv head) attends that
- * prefix once, reading its K and V once, and each member continues from the
- * resulting softmax state over its own tokens.
+ * Cascade decode: decode sequences given as a group share a prefix of blocks;
+ * one tile per (16 members, kv head) attends that prefix once, reading its K
+ * and V once (with AVX-512 in columns, elsewhere in rows: attend_prefix_rows),
+ * and each member continues from the resulting softmax state over its own
+ * tokens.
  *
  * Math is float32 with an online softmax: scores are computed for a chunk of
  * tokens, then the running max, running sum and accumulators are updated
@@ -249,6 +250,50 @@ static void reset_state(int d, int num_queries, Scratch *s) {
     memset(s->acc, 0, sizeof(float) * (size_t)num_queries * d);
 }
 
+/* Load sequence `seq`'s queries (query slot h: head h) and the softmax state of its shared prefix
+ * where it has one (p->prefix_lens; else an empty state); returns the positions already attended. */
+static int load_prefix_state(const Problem *p, int seq, Scratch *s) {
+    int d = p->head_dim, num_heads = p->num_heads, prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
+    reset_state(d, num_heads, s);
+    for (int h = 0; h < num_heads; h++) {
+        load_query(p, seq, h, h, s);
+        if (prefix > 0) {
+            const float *state = p->state + ((int64_t)seq * num_heads + h) * (d + 2);
+            s->max[h] = state[0], s->sum[h] = state[1];
+            memcpy(s->acc + (size_t)h * d, state + 2, sizeof(float) * d);
+        }
+    }
+    return prefix;
+}
+
+/* The shared prefix (the first `prefix` tokens, in sequence `first`'s blocks) of sequences first ..
+ * first + num_members - 1, for the query heads of `kv_head`: each chunk's K and V rows are read
+ * once for all the members' queries (query slot r: member r / group, head r % group of the kv
+ * head); the softmax state goes to `state` ([seq, head, max, sum, acc]), from which attend_seq
+ * continues each member over its own tokens. */
+static int attend_prefix_rows(const Problem *p, int first, int num_members, int prefix, int kv_head, float *state,
+                              Scratch *s) {
+    int d = p->head_dim, group = p->num_heads / p->num_kv_heads, count = num_members * group;
+    const int32_t *table = p->block_tables + (int64_t)first * p->max_blocks;
+    reset_state(d, count, s);
+    for (int r = 0; r < count; r++) load_query(p, first + r / group, kv_head * group + r % group, r, s);
+    for (int pos = 0; pos < prefix; pos += CHUNK_TOKENS) {
+        int n = prefix - pos < CHUNK_TOKENS ? prefix - pos : CHUNK_TOKENS;
+        if (!resolve_slots(p, table, pos, n, s)) return STATUS_BAD_BLOCK_ID;
+        load_rows(p, p->k_cache, kv_head, n, s);
+        score_chunk(d, 0, count, n, s);
+        update_softmax(d, count, n, s);
+        load_rows(p, p->v_cache, kv_head, n, s);
+        accumulate_values(d, 0, count, n, s);
+    }
+    for (int r = 0; r < count; r++) {
+        float *row_state = state + ((int64_t)(first + r / group) * p->num_heads + kv_head * group + r % group) * (d + 2);
+        row_state[0] = s->max[r], row_state[1] = s->sum[r];
+        memcpy(row_state + 2, s->acc + (size_t)r * d, sizeof(float) * d);
+    }
+    return STATUS_OK;
+}
+
 /* A sequence's tokens for every query head, CHUNK_TOKENS at a time: a chunk's K (then V) rows
  * of every kv head are read together (a block's rows of all heads are one contiguous run of the
  * pool). One layer of 32 sequences x 1,024 tokens in float32, built without AVX-512 (2-core AMD
@@ -260,9 +305,8 @@ static int attend_seq(const Problem *p, int seq, Scratch *s) {
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    reset_state(d, num_heads, s);
-    for (int h = 0; h < num_heads; h++) load_query(p, seq, h, h, s);
-    for (int pos = 0; pos < context_len; pos += CHUNK_TOKENS) {
+    int prefix = load_prefix_state(p, seq, s);
+    for (int pos = prefix; pos < context_len; pos += CHUNK_TOKENS) {
         int n = context_len - pos < CHUNK_TOKENS ? context_len - pos : CHUNK_TOKENS;
         if (!resolve_slots(p, table, pos, n, s)) return STATUS_BAD_BLOCK_ID;
         for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
@@ -570,16 +614,7 @@ static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * bs) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int prefix = p->prefix_lens ? p->prefix_lens[seq] : 0;
-    reset_state(d, num_heads, s);
-    for (int h = 0; h < num_heads; h++) {
-        load_query(p, seq, h, h, s);
-        if (prefix > 0) {
-            const float *state = p->state + ((int64_t)seq * num_heads + h) * (d + 2);
-            s->max[h] = state[0], s->sum[h] = state[1];
-            memcpy(s->acc + (size_t)h * d, state + 2, sizeof(float) * d);
-        }
-    }
+    int prefix = load_prefix_state(p, seq, s);
     int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
     int group = num_heads / p->num_kv_heads;
     Segment segments[CHUNK_TOKENS];
@@ -1033,10 +1068,9 @@ static int shared_prefix_tiles(const int32_t *groups, int num_groups, int32_t *t
  * has been written. Runs on `num_threads` OpenMP threads.
  *
  * `groups` (num_groups rows (first, end, prefix_tokens), see groups_are_valid): decode sequences
- * first .. end - 1 share their first prefix_tokens tokens. On the AVX-512 path that prefix is
- * attended once for all members (cascade attention: a column tile of up to PREFILL_TILE members,
- * its K and V read once), then each sequence continues from that state over its own tokens;
- * elsewhere the groups change nothing. The result is the same attention. */
+ * first .. end - 1 share their first prefix_tokens tokens. That prefix is attended once for all
+ * members (cascade attention: a tile of up to PREFILL_TILE members, its K and V read once), then
+ * each sequence continues from that state over its own tokens. The result is the same attention. */
 /* The next work item of a shared counter, for the thread that calls. */
 static inline int claim_item(int *next_item) {
     int item;
@@ -1061,7 +1095,7 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
     int num_tiles = 0, status = STATUS_OK;
     int32_t *tiles = NULL, *prefix_lens = NULL;
     float *state = NULL;
-    if (is_vector && num_groups > 0) {
+    if (num_groups > 0) {
         tiles = (int32_t *)malloc(sizeof(int32_t) * 3 * (size_t)num_seqs);
         prefix_lens = (int32_t *)calloc((size_t)num_seqs, sizeof(int32_t));
         state = (float *)malloc(sizeof(float) * (size_t)num_seqs * num_heads * (head_dim + 2));
@@ -1087,8 +1121,9 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_tiles * num_kv_heads; item++) {
             const int32_t *tile = tiles + 3 * (item / num_kv_heads);
-            int code = base ? attend_shared_prefix(&p, tile[0], tile[1], tile[2], item % num_kv_heads, state, &s)
-                            : STATUS_OK;
+            int code = !base ? STATUS_OK
+                       : is_vector ? attend_shared_prefix(&p, tile[0], tile[1], tile[2], item % num_kv_heads, state, &s)
+                                   : attend_prefix_rows(&p, tile[0], tile[1], tile[2], item % num_kv_heads, state, &s);
             if (code != STATUS_OK) {
 #pragma omp atomic write
                 status = code;
