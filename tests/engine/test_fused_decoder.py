@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(not decoder_ops.is_available() or not torch.back
                                 reason="no C compiler or oneDNN")
 BLOCK_SIZE = 16
 PROMPT_LENS = [37, 5, 16, 70]
+# Without bf16 products in oneDNN (a CPU with AVX2 only) the engine runs bf16 models unfused.
+needs_bf16_fused_step = pytest.mark.skipif(FusedDecoder.build(tiny_model().to(torch.bfloat16)) is None,
+                                           reason="no bf16 oneDNN products on this CPU: no fused bf16 step")
 
 
 def step_logits(model, fused: bool) -> torch.Tensor:
@@ -66,12 +69,13 @@ def chunked_step_logits(model, fused: bool) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_fused_step)])
 def test_fused_step_that_keeps_few_rows_equals_the_transformers_forward(dtype):
     model = tiny_model(hidden_size=128).to(dtype)  # head_dim 32: the C prefill kernel, where it runs
     expected = chunked_step_logits(model, fused=False)
     got = chunked_step_logits(model, fused=True)
-    tolerance = 1e-5 if dtype == torch.float32 else 0.02 * float(expected.max() - expected.min())
+    # float32: GEMM rounding (up to 1.3e-5 measured with torch, oneDNN and MKL capped to AVX2)
+    tolerance = 3e-5 if dtype == torch.float32 else 0.02 * float(expected.max() - expected.min())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=tolerance)
 
 
@@ -84,6 +88,7 @@ def test_float32_fused_step_equals_the_transformers_forward(family):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_bf16_fused_step
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_bfloat16_fused_step_is_as_close_to_float32_as_transformers_bfloat16(family):
     model = tiny_model(family)
