@@ -204,7 +204,11 @@ def test_cpu_linear_bench_prints_both_paths(capsys):
 
 
 def test_cpu_linear_bench_in_bf16_adds_the_kernel_where_it_runs(capsys):
-    bench_cpu_linear.main(["--repeats", "1", "--rows", "3", "--layers", "1", "--dtype", "bfloat16"])
+    try:
+        bench_cpu_linear.main(["--repeats", "1", "--rows", "3", "--layers", "1", "--dtype", "bfloat16"])
+    except SystemExit as stop:  # a CPU whose oneDNN has no bf16 products (AVX2 only): said, not a traceback
+        assert str(stop).startswith("oneDNN cannot pack bfloat16 linear weights on this machine")
+        return
     lines = capsys.readouterr().out.splitlines()
     assert ("bf16_gemm ms" in lines[1]) == bf16_gemm.is_available()
     assert [line.split()[:2] for line in lines[-2:]] == [["layer", "3"], ["lm_head", "3"]]
