@@ -250,6 +250,22 @@ static void reset_state(int d, int num_queries, Scratch *s) {
     memset(s->acc, 0, sizeof(float) * (size_t)num_queries * d);
 }
 
+/* Attend the chunk of `n` positions resolved into s->slots for kv heads first_kv_head ..
+ * first_kv_head + num_kv - 1, the i-th of them for query slots [i * per_kv, (i + 1) * per_kv):
+ * scores against each kv head's K rows, one softmax update, then each kv head's V rows. */
+static void attend_chunk(const Problem *p, int n, int first_kv_head, int num_kv, int per_kv, Scratch *s) {
+    int d = p->head_dim;
+    for (int i = 0; i < num_kv; i++) {
+        load_rows(p, p->k_cache, first_kv_head + i, n, s);
+        score_chunk(d, i * per_kv, per_kv, n, s);
+    }
+    update_softmax(d, num_kv * per_kv, n, s);
+    for (int i = 0; i < num_kv; i++) {
+        load_rows(p, p->v_cache, first_kv_head + i, n, s);
+        accumulate_values(d, i * per_kv, per_kv, n, s);
+    }
+}
+
 /* Load sequence `seq`'s queries (query slot h: head h) and the softmax state of its shared prefix
  * where it has one (p->prefix_lens; else an empty state); returns the positions already attended. */
 static int load_prefix_state(const Problem *p, int seq, Scratch *s) {
@@ -280,11 +296,7 @@ static int attend_prefix_rows(const Problem *p, int first, int num_members, int 
     for (int pos = 0; pos < prefix; pos += CHUNK_TOKENS) {
         int n = prefix - pos < CHUNK_TOKENS ? prefix - pos : CHUNK_TOKENS;
         if (!resolve_slots(p, table, pos, n, s)) return STATUS_BAD_BLOCK_ID;
-        load_rows(p, p->k_cache, kv_head, n, s);
-        score_chunk(d, 0, count, n, s);
-        update_softmax(d, count, n, s);
-        load_rows(p, p->v_cache, kv_head, n, s);
-        accumulate_values(d, 0, count, n, s);
+        attend_chunk(p, n, kv_head, 1, count, s);
     }
     for (int r = 0; r < count; r++) {
         float *row_state = state + ((int64_t)(first + r / group) * p->num_heads + kv_head * group + r % group) * (d + 2);
@@ -301,7 +313,7 @@ static int attend_prefix_rows(const Problem *p, int first, int num_members, int 
  * per sequence and kv head) and 2.3 on the AVX-512 path; asking for the next chunk's rows ahead
  * (at once, or in slices between the kv heads) made no difference. */
 static int attend_seq(const Problem *p, int seq, Scratch *s) {
-    int d = p->head_dim, num_heads = p->num_heads, group = num_heads / p->num_kv_heads;
+    int d = p->head_dim, num_heads = p->num_heads;
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
@@ -309,15 +321,7 @@ static int attend_seq(const Problem *p, int seq, Scratch *s) {
     for (int pos = prefix; pos < context_len; pos += CHUNK_TOKENS) {
         int n = context_len - pos < CHUNK_TOKENS ? context_len - pos : CHUNK_TOKENS;
         if (!resolve_slots(p, table, pos, n, s)) return STATUS_BAD_BLOCK_ID;
-        for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
-            load_rows(p, p->k_cache, kv_head, n, s);
-            score_chunk(d, kv_head * group, group, n, s);
-        }
-        update_softmax(d, num_heads, n, s);
-        for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
-            load_rows(p, p->v_cache, kv_head, n, s);
-            accumulate_values(d, kv_head * group, group, n, s);
-        }
+        attend_chunk(p, n, 0, p->num_kv_heads, num_heads / p->num_kv_heads, s);
     }
     size_t row_bytes = (size_t)d * element_size(p->dtype);
     for (int h = 0; h < num_heads; h++)
