@@ -56,8 +56,7 @@ def _load_kernel() -> Kernel | None:
 
 def load_build(extra_flags: tuple[str, ...] = ()) -> Kernel | None:
     """The entry points of a build of ``paged_attention.c``, or None if unavailable; `extra_flags`
-    add to the compiler's (``-mno-avx512f``: the portable decode loops, as a CPU without AVX-512
-    runs them)."""
+    add to the compiler's (``-mno-avx512f``: the kernel as a CPU without AVX-512 runs it)."""
     library = load_library("paged_attention.c", extra_flags)
     if library is None:
         return None
@@ -135,10 +134,9 @@ def paged_decode_attention(
     return out
 
 
-@functools.cache
 def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `paged_prefill_attention` runs this dtype and head size here (its AVX-512 path:
-    float32 / bfloat16, head_dim a multiple of 32)."""
+    """Whether `paged_prefill_attention` runs this dtype and head size here (its AVX-512 or AVX2
+    code: float32 / bfloat16, head_dim a multiple of 32)."""
     kernel = _load_kernel()
     return (kernel is not None and dtype in (torch.float32, torch.bfloat16)
             and bool(kernel.prefill_supported(_DTYPE_CODES[dtype], head_dim)))

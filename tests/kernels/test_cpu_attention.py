@@ -14,13 +14,29 @@ pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C c
 
 
 
-@pytest.fixture(params=["native", "portable"])
+# Builds as CPUs without AVX-512 run the kernel: "avx2" has the AVX2 column code (prefill, cascade)
+# and the portable decode loops, "portable" (no AVX2) only the portable loops.
+BUILD_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
+
+
+def use_build(name: str, monkeypatch) -> None:
+    kernel = cpu_attention.load_build(BUILD_FLAGS[name])
+    monkeypatch.setattr(cpu_attention, "_load_kernel", lambda: kernel)
+
+
+@pytest.fixture(params=list(BUILD_FLAGS))
 def build(request, monkeypatch):
-    """A test runs on this CPU's build (AVX-512 intrinsics where it has them) and on the portable
-    decode loops that a CPU without AVX-512 runs."""
-    if request.param == "portable":
-        kernel = cpu_attention.load_build(("-mno-avx512f",))
-        monkeypatch.setattr(cpu_attention, "_load_kernel", lambda: kernel)
+    """A test runs on this CPU's build (AVX-512 intrinsics where it has them) and on the builds a
+    CPU without AVX-512 runs."""
+    use_build(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def prefill_build(request, monkeypatch):
+    """The builds with the prefill kernel (its AVX-512 and AVX2 code), on an x86 CPU with AVX2."""
+    use_build(request.param, monkeypatch)
+    if not cpu_attention.prefill_supported(torch.float32, 64):
+        pytest.skip("no AVX2 / AVX-512 here: the prefill kernel is not built")
 
 
 CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 317]
@@ -187,11 +203,10 @@ def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_len
     return torch.cat(outputs)
 
 
-@pytest.mark.skipif(not cpu_attention.prefill_supported(torch.float32, 64), reason="no AVX-512 prefill path here")
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size",
                          [(9, 3, 64, 16), (8, 2, 32, 16), (16, 1, 64, 16), (8, 2, 96, 16), (9, 3, 64, 5)])
-def test_prefill_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, head_dim, block_size):
+def test_prefill_matches_reference(prefill_build, dtype, atol, rtol, num_heads, num_kv_heads, head_dim, block_size):
     # chunks: a whole prompt, a chunk after 40 cached tokens, one token, a chunk across many blocks, and one
     # after 121 cached tokens (its query tiles straddle the kernel's 64-key chunks); block size 5: runs of
     # keys end inside the kernel's 16-key score groups
@@ -208,7 +223,7 @@ def test_prefill_matches_reference(dtype, atol, rtol, num_heads, num_kv_heads, h
     assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
 
 
-def test_prefill_declines_what_it_cannot_run():
+def test_prefill_declines_what_it_cannot_run(build):
     q, k_cache, v_cache, block_tables, contexts = make_inputs([20], 4, 2, 40, torch.float32, seed=33)
     args = (block_tables, contexts, torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 0.1)
     assert not cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *args, torch.empty_like(q))  # head_dim 40

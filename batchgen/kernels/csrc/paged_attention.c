@@ -19,15 +19,16 @@
  * goes in runs of blocks through vector code, the next chunk prefetched; bf16
  * products use the AVX512-BF16 dot instruction where present.
  *
- * Prefill (AVX-512 only): causal attention of prefill chunks over the pool,
- * work items (sequence, 16 query tokens, kv head), computed in columns (a
- * tile's query rows are vector lanes; see attend_columns).
+ * Prefill (AVX-512, or AVX2 with FMA; float32 / bfloat16, head_dim a multiple
+ * of 32): causal attention of prefill chunks over the pool, work items
+ * (sequence, 16 query tokens, kv head), computed in columns (a tile's query
+ * rows are vector lanes; see attend_columns).
  *
  * Cascade decode: decode sequences given as a group share a prefix of blocks;
  * one tile per (16 members, kv head) attends that prefix once, reading its K
- * and V once (with AVX-512 in columns, elsewhere in rows: attend_prefix_rows),
- * and each member continues from the resulting softmax state over its own
- * tokens.
+ * and V once (in columns where the prefill code runs, elsewhere in rows:
+ * attend_prefix_rows), and each member continues from the resulting softmax
+ * state over its own tokens.
  *
  * Math is float32 with an online softmax: scores are computed for a chunk of
  * tokens, then the running max, running sum and accumulators are updated
@@ -330,8 +331,87 @@ static int attend_seq(const Problem *p, int seq, Scratch *s) {
     return STATUS_OK;
 }
 
-#if defined(__AVX512F__)
+/* Vector code: the decode rows path (attend_seq_vector) needs AVX-512; the column code (prefill,
+ * cascade) runs on AVX-512 (16 float lanes) or on AVX2 with FMA (8 lanes). */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define HAS_COLUMN_CODE 1
 #include <immintrin.h>
+
+/* A run of a chunk's tokens inside one block: its rows of every kv head are contiguous. */
+typedef struct {
+    const char *keys, *values; /* the first row, kv head 0 */
+    int start, length;         /* its tokens' place in the chunk */
+} Segment;
+
+/* The K and V lines (all kv heads) of the chunk after the current one, asked for a few at a time
+ * while the current one is computed. Blocks sit anywhere in the pool, so the hardware prefetcher
+ * cannot guess the next one; and asked for at once, a chunk's lines (768 for 64 bf16 tokens of
+ * 3 x 64) fill the core's miss buffers, each further prefetch waiting for a free one, so the
+ * computing waits too: spread over the chunk's scores and products, decode of 64 sequences of
+ * ~350 tokens took 1.0-1.2 against 1.5-1.7 ms (one layer, two threads, caches flushed). */
+typedef struct {
+    const char *keys[CHUNK_TOKENS], *values[CHUNK_TOKENS]; /* each run's first row, kv head 0 */
+    int64_t bytes[CHUNK_TOKENS];                            /* each run's K (= V) bytes */
+    int num_runs, run;                                      /* the run being asked for */
+    int64_t offset;                                         /* its next line */
+    int lines_left;                                         /* K and V lines not asked for yet */
+} Ahead;
+
+/* Plan the lines of positions [start, end) of a block table (blocks out of range are skipped:
+ * next_chunk reports them when their chunk comes). */
+static void plan_ahead(const Problem *p, const int32_t *table, int start, int end, Ahead *ahead) {
+    int bs = p->block_size;
+    int64_t row_bytes = (int64_t)p->num_kv_heads * p->head_dim * element_size(p->dtype);
+    ahead->num_runs = 0, ahead->run = 0, ahead->offset = 0, ahead->lines_left = 0;
+    for (int pos = start; pos < end;) {
+        int block = table[pos / bs], length = bs - pos % bs < end - pos ? bs - pos % bs : end - pos;
+        if (block >= 0 && block < p->num_blocks) {
+            int64_t slot = (int64_t)block * bs + pos % bs;
+            ahead->keys[ahead->num_runs] = cache_row(p, p->k_cache, slot, 0);
+            ahead->values[ahead->num_runs] = cache_row(p, p->v_cache, slot, 0);
+            ahead->bytes[ahead->num_runs++] = length * row_bytes;
+            ahead->lines_left += 2 * (int)((length * row_bytes + 63) / 64);
+        }
+        pos += length;
+    }
+}
+
+/* Ask for the next `lines` planned lines (K and V alternately; all that are left when fewer). */
+static inline void fetch_ahead(Ahead *ahead, int lines) {
+    for (; lines > 0 && ahead->run < ahead->num_runs; lines -= 2) {
+        _mm_prefetch(ahead->keys[ahead->run] + ahead->offset, _MM_HINT_T1);
+        _mm_prefetch(ahead->values[ahead->run] + ahead->offset, _MM_HINT_T1);
+        ahead->lines_left -= 2;
+        ahead->offset += 64;
+        if (ahead->offset >= ahead->bytes[ahead->run]) ahead->run++, ahead->offset = 0;
+    }
+}
+
+/* The next chunk of positions [*pos, end): at most CHUNK_TOKENS of them, as runs inside blocks
+ * (`*n` tokens in all); advances *pos past it and plans the chunk after it in `ahead`. Returns
+ * the number of segments, or -1 when a block id is out of range. */
+static int next_chunk(const Problem *p, const int32_t *table, int *pos, int end, Segment *segments, int *n,
+                      Ahead *ahead) {
+    int bs = p->block_size, num_segments = 0;
+    *n = 0;
+    while (*pos < end && *n < CHUNK_TOKENS) {
+        int block = table[*pos / bs], offset = *pos % bs;
+        if (block < 0 || block >= p->num_blocks) return -1;
+        int length = bs - offset;
+        length = length < end - *pos ? length : end - *pos;
+        length = length < CHUNK_TOKENS - *n ? length : CHUNK_TOKENS - *n;
+        int64_t slot = (int64_t)block * bs + offset;
+        segments[num_segments++] = (Segment){cache_row(p, p->k_cache, slot, 0), cache_row(p, p->v_cache, slot, 0), *n, length};
+        *n += length;
+        *pos += length;
+    }
+    plan_ahead(p, table, *pos, end - *pos < CHUNK_TOKENS ? end : *pos + CHUNK_TOKENS, ahead);
+    return num_segments;
+}
+
+#endif
+
+#if defined(__AVX512F__)
 
 static int is_vector_problem(const Problem *p) {
     return (p->dtype == DTYPE_F32 || p->dtype == DTYPE_BF16) && p->head_dim % 32 == 0;
@@ -446,12 +526,6 @@ static void accumulate_heads(const Problem *p, const char *first, int64_t row_st
     }
 }
 
-/* A run of a chunk's tokens inside one block: its rows of every kv head are contiguous. */
-typedef struct {
-    const char *keys, *values; /* the first row, kv head 0 */
-    int start, length;         /* its tokens' place in the chunk */
-} Segment;
-
 #if defined(__AVX512BF16__)
 /* The bf16 V rows of a chunk (one kv head), interleaved by pairs of keys into s->converted: for
  * key pair k and element i, (v[2k][i], v[2k+1][i]) at pairs[k * 2d + 2i], a zero row after an
@@ -532,72 +606,6 @@ static void accumulate_chunk_bf16(const Problem *p, const Segment *segments, int
 }
 #endif
 
-/* The K and V lines (all kv heads) of the chunk after the current one, asked for a few at a time
- * while the current one is computed. Blocks sit anywhere in the pool, so the hardware prefetcher
- * cannot guess the next one; and asked for at once, a chunk's lines (768 for 64 bf16 tokens of
- * 3 x 64) fill the core's miss buffers, each further prefetch waiting for a free one, so the
- * computing waits too: spread over the chunk's scores and products, decode of 64 sequences of
- * ~350 tokens took 1.0-1.2 against 1.5-1.7 ms (one layer, two threads, caches flushed). */
-typedef struct {
-    const char *keys[CHUNK_TOKENS], *values[CHUNK_TOKENS]; /* each run's first row, kv head 0 */
-    int64_t bytes[CHUNK_TOKENS];                            /* each run's K (= V) bytes */
-    int num_runs, run;                                      /* the run being asked for */
-    int64_t offset;                                         /* its next line */
-    int lines_left;                                         /* K and V lines not asked for yet */
-} Ahead;
-
-/* Plan the lines of positions [start, end) of a block table (blocks out of range are skipped:
- * next_chunk reports them when their chunk comes). */
-static void plan_ahead(const Problem *p, const int32_t *table, int start, int end, Ahead *ahead) {
-    int bs = p->block_size;
-    int64_t row_bytes = (int64_t)p->num_kv_heads * p->head_dim * element_size(p->dtype);
-    ahead->num_runs = 0, ahead->run = 0, ahead->offset = 0, ahead->lines_left = 0;
-    for (int pos = start; pos < end;) {
-        int block = table[pos / bs], length = bs - pos % bs < end - pos ? bs - pos % bs : end - pos;
-        if (block >= 0 && block < p->num_blocks) {
-            int64_t slot = (int64_t)block * bs + pos % bs;
-            ahead->keys[ahead->num_runs] = cache_row(p, p->k_cache, slot, 0);
-            ahead->values[ahead->num_runs] = cache_row(p, p->v_cache, slot, 0);
-            ahead->bytes[ahead->num_runs++] = length * row_bytes;
-            ahead->lines_left += 2 * (int)((length * row_bytes + 63) / 64);
-        }
-        pos += length;
-    }
-}
-
-/* Ask for the next `lines` planned lines (K and V alternately; all that are left when fewer). */
-static inline void fetch_ahead(Ahead *ahead, int lines) {
-    for (; lines > 0 && ahead->run < ahead->num_runs; lines -= 2) {
-        _mm_prefetch(ahead->keys[ahead->run] + ahead->offset, _MM_HINT_T1);
-        _mm_prefetch(ahead->values[ahead->run] + ahead->offset, _MM_HINT_T1);
-        ahead->lines_left -= 2;
-        ahead->offset += 64;
-        if (ahead->offset >= ahead->bytes[ahead->run]) ahead->run++, ahead->offset = 0;
-    }
-}
-
-/* The next chunk of positions [*pos, end): at most CHUNK_TOKENS of them, as runs inside blocks
- * (`*n` tokens in all); advances *pos past it and plans the chunk after it in `ahead`. Returns
- * the number of segments, or -1 when a block id is out of range. */
-static int next_chunk(const Problem *p, const int32_t *table, int *pos, int end, Segment *segments, int *n,
-                      Ahead *ahead) {
-    int bs = p->block_size, num_segments = 0;
-    *n = 0;
-    while (*pos < end && *n < CHUNK_TOKENS) {
-        int block = table[*pos / bs], offset = *pos % bs;
-        if (block < 0 || block >= p->num_blocks) return -1;
-        int length = bs - offset;
-        length = length < end - *pos ? length : end - *pos;
-        length = length < CHUNK_TOKENS - *n ? length : CHUNK_TOKENS - *n;
-        int64_t slot = (int64_t)block * bs + offset;
-        segments[num_segments++] = (Segment){cache_row(p, p->k_cache, slot, 0), cache_row(p, p->v_cache, slot, 0), *n, length};
-        *n += length;
-        *pos += length;
-    }
-    plan_ahead(p, table, *pos, end - *pos < CHUNK_TOKENS ? end : *pos + CHUNK_TOKENS, ahead);
-    return num_segments;
-}
-
 /* Plan the first chunk sequence `seq` attends (from its prefix state's end). */
 static void plan_first_chunk(const Problem *p, int seq, Ahead *ahead) {
     int context_len = p->context_lens[seq], start = p->prefix_lens ? p->prefix_lens[seq] : 0;
@@ -662,13 +670,65 @@ static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s
     return STATUS_OK;
 }
 
+#else
+static int is_vector_problem(const Problem *p) { (void)p; return 0; }
+static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s) { (void)p, (void)seq, (void)next_seq, (void)s; return STATUS_OK; }
+#endif
+
+#if defined(HAS_COLUMN_CODE)
+/* The column code's float vector: LANES rows of a tile. A score tile holds SCORE_KEYS keys x 3
+ * row vectors of accumulators: 24 of AVX-512's 32 registers, 12 of AVX2's 16 (with AVX2, 8 keys
+ * took 1.12-1.14x as long over a 2,048-token float32 prefill, interleaved A/B). */
+#if defined(__AVX512F__)
+#define LANES 16
+#define SCORE_KEYS 8
+typedef __m512 Vec;
+static inline Vec vec_load(const float *x) { return _mm512_loadu_ps(x); }
+static inline void vec_store(float *x, Vec v) { _mm512_storeu_ps(x, v); }
+static inline Vec vec_set1(float x) { return _mm512_set1_ps(x); }
+static inline Vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline Vec vec_add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+static inline Vec vec_sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+static inline Vec vec_mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+static inline Vec vec_max(Vec a, Vec b) { return _mm512_max_ps(a, b); } /* b when either is NaN */
+static inline Vec vec_round(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* poly * 2^n for integral n >= -150 (2^n below 2^-126 as a subnormal or 0). */
+static inline Vec vec_times_pow2(Vec poly, Vec n) { return _mm512_scalef_ps(poly, n); }
+#define EXP2_FLOOR -150.0f
+#else
+#define LANES 8
+#define SCORE_KEYS 4
+typedef __m256 Vec;
+static inline Vec vec_load(const float *x) { return _mm256_loadu_ps(x); }
+static inline void vec_store(float *x, Vec v) { _mm256_storeu_ps(x, v); }
+static inline Vec vec_set1(float x) { return _mm256_set1_ps(x); }
+static inline Vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline Vec vec_add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+static inline Vec vec_sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+static inline Vec vec_mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+static inline Vec vec_max(Vec a, Vec b) { return _mm256_max_ps(a, b); } /* b when either is NaN */
+static inline Vec vec_round(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* poly * 2^n for integral n >= -127, built in the exponent field: 2^-127 is 0 (its field is 0). */
+static inline Vec vec_times_pow2(Vec poly, Vec n) {
+    __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(poly, _mm256_castsi256_ps(exponent));
+}
+#define EXP2_FLOOR -127.0f
+#endif
+
+static int runs_in_columns(const Problem *p) {
+    return (p->dtype == DTYPE_F32 || p->dtype == DTYPE_BF16) && p->head_dim % 32 == 0;
+}
+
 /*
  * The prefill kernel keeps a tile's rows in columns (key-major): with `stride` rows (the tile's
- * rows rounded up to 16), s->q holds Q transposed ([d / 2][stride] bf16 pairs (q[2i], q[2i+1])
+ * rows rounded up to 16, a multiple of LANES), s->q holds Q transposed ([d / 2][stride] bf16 pairs (q[2i], q[2i+1])
  * where the bf16 dot instruction runs, else [d][stride] pre-scaled float32), s->scores
  * [CHUNK_TOKENS][stride] the chunk's scores (in log2 units: q.k * scale * log2(e), so the
- * softmax's exponentials are powers of 2, see exp2_16) and then weights, s->weight_pairs
- * [CHUNK_TOKENS / 2][stride]. A key's scores for 16 rows are then one vector: its K elements are
+ * softmax's exponentials are powers of 2, see exp2_vec) and then weights, s->weight_pairs
+ * [CHUNK_TOKENS / 2][stride]. A key's scores for LANES rows are then one vector: its K elements are
  * broadcast from the pool as they lie (no transpose, no horizontal sums), and the softmax's max
  * and sums run down the columns.
  */
@@ -708,14 +768,14 @@ static void load_queries_transposed(const Problem *p, int64_t first_row, int kv_
 static inline __attribute__((always_inline)) void score_columns_tile(const Problem *p, const float *q, const char *k,
                                                                      int64_t row_stride, int stride, float *scores,
                                                                      const int keys, const int vecs) {
-    __m512 acc[8][3];
+    Vec acc[SCORE_KEYS][3];
     for (int u = 0; u < keys; u++)
-        for (int j = 0; j < vecs; j++) acc[u][j] = _mm512_setzero_ps();
+        for (int j = 0; j < vecs; j++) acc[u][j] = vec_zero();
 #if defined(__AVX512BF16__)
     if (p->dtype == DTYPE_BF16) {
         for (int i = 0; i < p->head_dim / 2; i++) {
             __m512bh qv[3];
-            for (int j = 0; j < vecs; j++) qv[j] = (__m512bh)_mm512_loadu_ps(q + (size_t)i * stride + 16 * j);
+            for (int j = 0; j < vecs; j++) qv[j] = (__m512bh)_mm512_loadu_ps(q + (size_t)i * stride + LANES * j);
             for (int u = 0; u < keys; u++) {
                 __m512bh kb = (__m512bh)_mm512_set1_epi32(((const int32_t *)(k + u * row_stride))[i]);
                 for (int j = 0; j < vecs; j++) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], qv[j], kb);
@@ -723,47 +783,49 @@ static inline __attribute__((always_inline)) void score_columns_tile(const Probl
         }
         for (int u = 0; u < keys; u++)
             for (int j = 0; j < vecs; j++)
-                _mm512_storeu_ps(scores + (size_t)u * stride + 16 * j,
-                                 _mm512_mul_ps(_mm512_set1_ps(p->scale * LOG2E), acc[u][j]));
+                vec_store(scores + (size_t)u * stride + LANES * j, vec_mul(vec_set1(p->scale * LOG2E), acc[u][j]));
         return;
     }
 #endif
     for (int i = 0; i < p->head_dim; i++) {
-        __m512 qv[3];
-        for (int j = 0; j < vecs; j++) qv[j] = _mm512_loadu_ps(q + (size_t)i * stride + 16 * j);
+        Vec qv[3];
+        for (int j = 0; j < vecs; j++) qv[j] = vec_load(q + (size_t)i * stride + LANES * j);
         for (int u = 0; u < keys; u++) {
             const char *row = k + u * row_stride;
-            __m512 kb = _mm512_set1_ps(p->dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)row)[i])
-                                                              : ((const float *)row)[i]);
-            for (int j = 0; j < vecs; j++) acc[u][j] = _mm512_fmadd_ps(qv[j], kb, acc[u][j]);
+            Vec kb = vec_set1(p->dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)row)[i])
+                                                     : ((const float *)row)[i]);
+            for (int j = 0; j < vecs; j++) acc[u][j] = vec_fma(qv[j], kb, acc[u][j]);
         }
     }
     for (int u = 0; u < keys; u++)
-        for (int j = 0; j < vecs; j++) _mm512_storeu_ps(scores + (size_t)u * stride + 16 * j, acc[u][j]);
+        for (int j = 0; j < vecs; j++) vec_store(scores + (size_t)u * stride + LANES * j, acc[u][j]);
 }
 
 #define SCORE_COLUMNS_CASE(keys, vecs) \
     case (keys) * 4 + (vecs): score_columns_tile(p, q, k_rows, row_stride, stride, scores, keys, vecs); break;
 
 /* Key-major scores of a run of n keys (from `k`) for row vectors 0 .. num_vecs of s->q, into
- * key_scores, 8 keys x 3 row vectors at a time (24 accumulators; up to 30% faster than 4 x 3). */
+ * key_scores, SCORE_KEYS keys x 3 row vectors at a time (with AVX-512, 8 x 3: 24 accumulators,
+ * up to 30% faster than 4 x 3). */
 static void score_columns(const Problem *p, const char *k, int64_t row_stride, int n, int num_vecs, int stride,
                           const Scratch *s, float *key_scores) {
-    for (int t0 = 0; t0 < n; t0 += 8)
+    for (int t0 = 0; t0 < n; t0 += SCORE_KEYS)
         for (int vec0 = 0; vec0 < num_vecs; vec0 += 3) {
-            int keys = n - t0 < 8 ? n - t0 : 8, vecs = num_vecs - vec0 < 3 ? num_vecs - vec0 : 3;
-            const float *q = s->q + 16 * vec0;
+            int keys = n - t0 < SCORE_KEYS ? n - t0 : SCORE_KEYS, vecs = num_vecs - vec0 < 3 ? num_vecs - vec0 : 3;
+            const float *q = s->q + LANES * vec0;
             const char *k_rows = k + t0 * row_stride;
-            float *scores = key_scores + (size_t)t0 * stride + 16 * vec0;
+            float *scores = key_scores + (size_t)t0 * stride + LANES * vec0;
             switch (keys * 4 + vecs) {
                 SCORE_COLUMNS_CASE(1, 1) SCORE_COLUMNS_CASE(1, 2) SCORE_COLUMNS_CASE(1, 3)
                 SCORE_COLUMNS_CASE(2, 1) SCORE_COLUMNS_CASE(2, 2) SCORE_COLUMNS_CASE(2, 3)
                 SCORE_COLUMNS_CASE(3, 1) SCORE_COLUMNS_CASE(3, 2) SCORE_COLUMNS_CASE(3, 3)
                 SCORE_COLUMNS_CASE(4, 1) SCORE_COLUMNS_CASE(4, 2) SCORE_COLUMNS_CASE(4, 3)
+#if SCORE_KEYS == 8
                 SCORE_COLUMNS_CASE(5, 1) SCORE_COLUMNS_CASE(5, 2) SCORE_COLUMNS_CASE(5, 3)
                 SCORE_COLUMNS_CASE(6, 1) SCORE_COLUMNS_CASE(6, 2) SCORE_COLUMNS_CASE(6, 3)
                 SCORE_COLUMNS_CASE(7, 1) SCORE_COLUMNS_CASE(7, 2) SCORE_COLUMNS_CASE(7, 3)
                 SCORE_COLUMNS_CASE(8, 1) SCORE_COLUMNS_CASE(8, 2) SCORE_COLUMNS_CASE(8, 3)
+#endif
             }
         }
 }
@@ -778,21 +840,21 @@ static void mask_future_keys(int chunk_pos, int n, int first_pos, int group, int
     }
 }
 
-/* 2^x for 16 floats x <= 0 (below -150, -inf included, 0): x = n + f with n an integer and
- * |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1.3e-7), times 2^n exactly
- * (scalef). NaN stays NaN. */
-static inline __m512 exp2_16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* a NaN x is returned as it is */
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 poly = _mm512_set1_ps(1.5403530393381606e-4f);
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.3333558146428441e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.618129107628477e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821576e-2f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402265069591007e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931471805599453e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(poly, n);
+/* 2^x for LANES floats x <= 0 (0 below EXP2_FLOOR, -inf included): x = n + f with n an integer
+ * and |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1.3e-7), times 2^n
+ * exactly. NaN stays NaN. */
+static inline Vec exp2_vec(Vec x) {
+    x = vec_max(vec_set1(EXP2_FLOOR), x); /* a NaN x is returned as it is */
+    Vec n = vec_round(x);
+    Vec f = vec_sub(x, n);
+    Vec poly = vec_set1(1.5403530393381606e-4f);
+    poly = vec_fma(poly, f, vec_set1(1.3333558146428441e-3f));
+    poly = vec_fma(poly, f, vec_set1(9.618129107628477e-3f));
+    poly = vec_fma(poly, f, vec_set1(5.5504108664821576e-2f));
+    poly = vec_fma(poly, f, vec_set1(2.402265069591007e-1f));
+    poly = vec_fma(poly, f, vec_set1(6.931471805599453e-1f));
+    poly = vec_fma(poly, f, vec_set1(1.0f));
+    return vec_times_pow2(poly, n);
 }
 
 #if defined(__AVX512BF16__)
@@ -815,28 +877,27 @@ static void softmax_columns(int num_vecs, int stride, int n, int as_pairs, Scrat
     (void)as_pairs; /* pairs come only from the bf16 dot path */
 #endif
     for (int j = 0; j < num_vecs; j++) {
-        float *scores = s->scores + 16 * j;
-        __m512 old_max = _mm512_loadu_ps(s->max + 16 * j), max = old_max;
-        for (int t = 0; t < n; t++) max = _mm512_max_ps(max, _mm512_loadu_ps(scores + (size_t)t * stride));
-        __m512 correction = exp2_16(_mm512_sub_ps(old_max, max));
-        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s->sum + 16 * j), correction);
+        float *scores = s->scores + LANES * j;
+        Vec old_max = vec_load(s->max + LANES * j), max = old_max;
+        for (int t = 0; t < n; t++) max = vec_max(max, vec_load(scores + (size_t)t * stride));
+        Vec correction = exp2_vec(vec_sub(old_max, max));
+        Vec sum = vec_mul(vec_load(s->sum + LANES * j), correction);
         for (int t = 0; t < n; t += 2) {
-            __m512 first = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(scores + (size_t)t * stride), max));
-            __m512 second = t + 1 < n ? exp2_16(_mm512_sub_ps(_mm512_loadu_ps(scores + (size_t)(t + 1) * stride), max))
-                                      : _mm512_setzero_ps();
-            sum = _mm512_add_ps(_mm512_add_ps(sum, first), second); /* key order, as one key at a time */
+            Vec first = exp2_vec(vec_sub(vec_load(scores + (size_t)t * stride), max));
+            Vec second = t + 1 < n ? exp2_vec(vec_sub(vec_load(scores + (size_t)(t + 1) * stride), max)) : vec_zero();
+            sum = vec_add(vec_add(sum, first), second); /* key order, as one key at a time */
 #if defined(__AVX512BF16__)
             if (as_pairs) {
-                _mm512_storeu_si512(s->weight_pairs + (size_t)(t / 2) * stride + 16 * j, weight_pairs16(first, second));
+                _mm512_storeu_si512(s->weight_pairs + (size_t)(t / 2) * stride + LANES * j, weight_pairs16(first, second));
                 continue;
             }
 #endif
-            _mm512_storeu_ps(scores + (size_t)t * stride, first);
-            if (t + 1 < n) _mm512_storeu_ps(scores + (size_t)(t + 1) * stride, second);
+            vec_store(scores + (size_t)t * stride, first);
+            if (t + 1 < n) vec_store(scores + (size_t)(t + 1) * stride, second);
         }
-        _mm512_storeu_ps(s->max + 16 * j, max);
-        _mm512_storeu_ps(s->sum + 16 * j, sum);
-        _mm512_storeu_ps(s->correction + 16 * j, correction);
+        vec_store(s->max + LANES * j, max);
+        vec_store(s->sum + LANES * j, sum);
+        vec_store(s->correction + LANES * j, correction);
     }
 }
 
@@ -853,11 +914,11 @@ static inline __attribute__((always_inline)) void accumulate_columns_tile(const 
                                                                           int num_keys, int stride, float *acc,
                                                                           const float *correction, const int elems,
                                                                           const int vecs) {
-    __m512 sums[4][3];
+    Vec sums[4][3];
     for (int x = 0; x < elems; x++)
         for (int j = 0; j < vecs; j++) {
-            sums[x][j] = _mm512_loadu_ps(acc + (size_t)x * stride + 16 * j);
-            if (correction) sums[x][j] = _mm512_mul_ps(sums[x][j], _mm512_loadu_ps(correction + 16 * j));
+            sums[x][j] = vec_load(acc + (size_t)x * stride + LANES * j);
+            if (correction) sums[x][j] = vec_mul(sums[x][j], vec_load(correction + LANES * j));
         }
 #if defined(__AVX512BF16__)
     if (p->dtype == DTYPE_BF16) {
@@ -865,7 +926,7 @@ static inline __attribute__((always_inline)) void accumulate_columns_tile(const 
             __m512bh vb[4];
             for (int x = 0; x < elems; x++) vb[x] = (__m512bh)_mm512_set1_epi32(((const int32_t *)(v + k * v_stride))[x]);
             for (int j = 0; j < vecs; j++) {
-                __m512bh wv = (__m512bh)_mm512_loadu_ps(w + (size_t)k * stride + 16 * j);
+                __m512bh wv = (__m512bh)_mm512_loadu_ps(w + (size_t)k * stride + LANES * j);
                 for (int x = 0; x < elems; x++) sums[x][j] = _mm512_dpbf16_ps(sums[x][j], wv, vb[x]);
             }
         }
@@ -874,18 +935,18 @@ static inline __attribute__((always_inline)) void accumulate_columns_tile(const 
     {
         for (int k = 0; k < num_keys; k++) {
             const char *row = v + k * v_stride;
-            __m512 vb[4];
+            Vec vb[4];
             for (int x = 0; x < elems; x++)
-                vb[x] = _mm512_set1_ps(p->dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)row)[x])
-                                                              : ((const float *)row)[x]);
+                vb[x] = vec_set1(p->dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)row)[x])
+                                                        : ((const float *)row)[x]);
             for (int j = 0; j < vecs; j++) {
-                __m512 wv = _mm512_loadu_ps(w + (size_t)k * stride + 16 * j);
-                for (int x = 0; x < elems; x++) sums[x][j] = _mm512_fmadd_ps(wv, vb[x], sums[x][j]);
+                Vec wv = vec_load(w + (size_t)k * stride + LANES * j);
+                for (int x = 0; x < elems; x++) sums[x][j] = vec_fma(wv, vb[x], sums[x][j]);
             }
         }
     }
     for (int x = 0; x < elems; x++)
-        for (int j = 0; j < vecs; j++) _mm512_storeu_ps(acc + (size_t)x * stride + 16 * j, sums[x][j]);
+        for (int j = 0; j < vecs; j++) vec_store(acc + (size_t)x * stride + LANES * j, sums[x][j]);
 }
 
 #define ACCUMULATE_COLUMNS_CASE(vecs) \
@@ -895,15 +956,16 @@ static inline __attribute__((always_inline)) void accumulate_columns_tile(const 
 
 /* acc^T = acc^T * correction (per row, when given) + the weights' products with num_keys V rows
  * (or pairs) from `v` (element 0), for row vectors 0 .. num_vecs: 4 elements x 3 row vectors at
- * a time. `element_bytes` is the size of one V element (or pair) in `v`. */
+ * a time (with AVX2 too: 17 of its 16 registers, yet 2-5% faster than 4 x 2 over a 2,048-token
+ * float32 prefill). `element_bytes` is the size of one V element (or pair) in `v`. */
 static void accumulate_columns(const Problem *p, const float *weights, const char *v, int64_t v_stride,
                                int element_bytes, int num_keys, int num_vecs, int stride, const float *correction,
                                Scratch *s) {
     for (int e0 = 0; e0 < p->head_dim; e0 += 4)
         for (int vec0 = 0; vec0 < num_vecs; vec0 += 3) {
-            const float *w = weights + 16 * vec0;
-            float *acc = s->acc + (size_t)e0 * stride + 16 * vec0;
-            const float *factors = correction ? correction + 16 * vec0 : NULL;
+            const float *w = weights + LANES * vec0;
+            float *acc = s->acc + (size_t)e0 * stride + LANES * vec0;
+            const float *factors = correction ? correction + LANES * vec0 : NULL;
             switch (num_vecs - vec0 < 3 ? num_vecs - vec0 : 3) {
                 ACCUMULATE_COLUMNS_CASE(1) ACCUMULATE_COLUMNS_CASE(2) ACCUMULATE_COLUMNS_CASE(3)
             }
@@ -923,7 +985,7 @@ static void accumulate_columns(const Problem *p, const float *weights, const cha
 static int attend_columns(const Problem *p, const int32_t *table, int key_end, int64_t first_row, int num_tokens,
                           int first_pos, int kv_head, int fetches_ahead, Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    int num_rows = num_tokens * group, stride = PREFILL_TILE * group, num_vecs = (num_rows + 15) / 16;
+    int num_rows = num_tokens * group, stride = PREFILL_TILE * group, num_vecs = (num_rows + LANES - 1) / LANES;
     reset_state(d, stride, s);
     load_queries_transposed(p, first_row, kv_head, num_rows, stride, s);
     int element_bytes = (int)element_size(p->dtype);
@@ -1002,8 +1064,7 @@ static int attend_shared_prefix(const Problem *p, int first, int num_members, in
     return STATUS_OK;
 }
 #else
-static int is_vector_problem(const Problem *p) { (void)p; return 0; }
-static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s) { (void)p, (void)seq, (void)next_seq, (void)s; return STATUS_OK; }
+static int runs_in_columns(const Problem *p) { (void)p; return 0; }
 static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
                                Scratch *s) {
     (void)p, (void)seq, (void)query_start, (void)query_len, (void)tile_start, (void)kv_head, (void)s;
@@ -1095,7 +1156,7 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
     if (!groups_are_valid(&p, groups, num_groups)) return STATUS_BAD_GROUP;
-    int is_vector = is_vector_problem(&p), group = num_heads / num_kv_heads;
+    int is_vector = is_vector_problem(&p), in_columns = runs_in_columns(&p), group = num_heads / num_kv_heads;
     int num_tiles = 0, status = STATUS_OK;
     int32_t *tiles = NULL, *prefix_lens = NULL;
     float *state = NULL;
@@ -1126,7 +1187,7 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
         for (int item = 0; item < num_tiles * num_kv_heads; item++) {
             const int32_t *tile = tiles + 3 * (item / num_kv_heads);
             int code = !base ? STATUS_OK
-                       : is_vector ? attend_shared_prefix(&p, tile[0], tile[1], tile[2], item % num_kv_heads, state, &s)
+                       : in_columns ? attend_shared_prefix(&p, tile[0], tile[1], tile[2], item % num_kv_heads, state, &s)
                                    : attend_prefix_rows(&p, tile[0], tile[1], tile[2], item % num_kv_heads, state, &s);
             if (code != STATUS_OK) {
 #pragma omp atomic write
@@ -1158,11 +1219,11 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
     return status;
 }
 
-/* 1 when bg_paged_prefill_attention runs `dtype` with `head_dim` here (its AVX-512 path). */
+/* 1 when bg_paged_prefill_attention runs `dtype` with `head_dim` here (its column code). */
 int bg_prefill_supported(int dtype, int head_dim) {
     Problem p = {0};
     p.dtype = dtype, p.head_dim = head_dim;
-    return is_vector_problem(&p);
+    return runs_in_columns(&p);
 }
 
 /* Causal attention of prefill chunks over the paged pool, whose K/V already hold the chunks'
@@ -1176,7 +1237,7 @@ int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, co
                                int num_threads) {
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
-    if (!is_vector_problem(&p)) return STATUS_BAD_DTYPE;
+    if (!runs_in_columns(&p)) return STATUS_BAD_DTYPE;
     int num_tiles = 0;
     for (int seq = 0; seq < num_seqs; seq++) {
         if (query_lens[seq] < 1) return STATUS_BAD_CONTEXT_LEN;
