@@ -21,8 +21,8 @@ Layout invariants (`AttentionMetadata`):
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
 others; "native" batches decode rows through one kernel call that reads the pool in place
 (compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
-runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512, float32 /
-bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
+runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
+float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
 head_dim 64, "native" is `AmxBackend`: every prefill chunk and decode row through the AMX
 kernels (`amx_attention`), the members of a decode group attending their prefix together.
 """

@@ -724,8 +724,9 @@ static int runs_in_columns(const Problem *p) {
 
 /*
  * The prefill kernel keeps a tile's rows in columns (key-major): with `stride` rows (the tile's
- * rows rounded up to 16, a multiple of LANES), s->q holds Q transposed ([d / 2][stride] bf16 pairs (q[2i], q[2i+1])
- * where the bf16 dot instruction runs, else [d][stride] pre-scaled float32), s->scores
+ * rows rounded up to 16, a multiple of LANES), s->q holds Q transposed ([d / 2][stride] bf16
+ * pairs (q[2i], q[2i+1]) where the bf16 dot instruction runs, else [d][stride] pre-scaled
+ * float32), s->scores
  * [CHUNK_TOKENS][stride] the chunk's scores (in log2 units: q.k * scale * log2(e), so the
  * softmax's exponentials are powers of 2, see exp2_vec) and then weights, s->weight_pairs
  * [CHUNK_TOKENS / 2][stride]. A key's scores for LANES rows are then one vector: its K elements are
