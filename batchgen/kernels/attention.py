@@ -293,7 +293,7 @@ def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
 class AmxBackend(AttentionBackend):
     """On a CPU with AMX-BF16 (bfloat16, head_dim 64): decode rows through the AMX decode kernel
     (rows sharing cached prefix blocks, `decode_groups`, attending the prefix together; the
-    AVX-512 kernel's cascade where the AMX one does not apply), prefill chunks through the AMX
+    vector kernel's cascade where the AMX one does not apply), prefill chunks through the AMX
     prefill kernel, chunks sharing cached prefix blocks attending it together."""
 
     name = "native"
