@@ -310,10 +310,11 @@ static int attend_prefix_rows(const Problem *p, int first, int num_members, int 
 
 /* A sequence's tokens for every query head, CHUNK_TOKENS at a time: a chunk's K (then V) rows
  * of every kv head are read together (a block's rows of all heads are one contiguous run of the
- * pool). One layer of 32 sequences x 1,024 tokens in float32, built without AVX-512 (2-core AMD
- * EPYC family 25 / model 17): 3.5-4.2 ms, against 4.9-5.1 read a kv head at a time (a work item
- * per sequence and kv head) and 2.3 on the AVX-512 path; asking for the next chunk's rows ahead
- * (at once, or in slices between the kv heads) made no difference. */
+ * pool). The path of CPUs without AVX-512 or AVX2 (and of other dtypes and head sizes). One
+ * layer of 32 sequences x 1,024 tokens in float32, built without AVX-512 (before the vector path
+ * ran on AVX2; 2-core AMD EPYC family 25 / model 17): 3.5-4.2 ms, against 4.9-5.1 read a kv head
+ * at a time (a work item per sequence and kv head) and 2.3 on the AVX-512 vector path; asking for
+ * the next chunk's rows ahead (at once, or in slices between the kv heads) made no difference. */
 static int attend_seq(const Problem *p, int seq, Scratch *s) {
     int d = p->head_dim, num_heads = p->num_heads;
     int context_len = p->context_lens[seq];
