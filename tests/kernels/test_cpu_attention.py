@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C c
 
 
 
-# Builds as CPUs without AVX-512 run the kernel: "avx2" has the AVX2 column code (prefill, cascade)
-# and the portable decode loops, "portable" (no AVX2) only the portable loops.
+# Builds as CPUs without AVX-512 run the kernel: "avx2" has the vector code on 8 lanes (decode rows,
+# prefill, cascade), "portable" (no AVX2) only the portable loops.
 BUILD_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
 
@@ -40,7 +40,7 @@ def prefill_build(request, monkeypatch):
 
 
 CONTEXT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 317]
-# GQA groups 1, 3, 4, 4, 7, 16 (more heads than the AVX-512 path holds at once); head_dim 96 (its
+# GQA groups 1, 3, 4, 4, 7, 16 (more heads than the vector path holds at once); head_dim 96 (its
 # narrower tiles) and 40 (not a multiple of 32: the portable path)
 SHAPES = [(4, 4, 64), (9, 3, 64), (12, 3, 32), (8, 2, 32), (7, 1, 128), (16, 1, 64), (8, 2, 96), (6, 2, 40)]
 
@@ -67,7 +67,8 @@ def test_matches_reference(build, dtype, atol, rtol, num_heads, num_kv_heads, he
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
 @pytest.mark.parametrize("block_size", [5, 8, 24])
 def test_block_sizes_off_the_kernels_16_key_groups_match_reference(build, dtype, atol, rtol, block_size):
-    """Runs of keys inside a block end mid-way through the AVX-512 path's groups of 16 scores."""
+    """Runs of keys inside a block end mid-way through the vector path's groups of 16 scores (8
+    on AVX2)."""
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
         CONTEXT_LENS, 9, 3, 64, dtype, seed=41, pad=-1, block_size=block_size)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
