@@ -115,7 +115,8 @@ def compare_prefill(repeats: int, scale: float) -> None:
           f"{'kernel GFLOP/s':>16}{'max abs diff':>14}")
     for dtype in (torch.float32, torch.bfloat16):
         if not cpu_attention.prefill_supported(dtype, HEAD_DIM):
-            print(f"{str(dtype).removeprefix('torch.'):<10} the prefill kernel does not run here (needs AVX-512)")
+            print(f"{str(dtype).removeprefix('torch.'):<10} the prefill kernel does not run here "
+                  "(needs AVX-512 or AVX2 with FMA)")
             continue
         for num_tokens in (512, 2048):
             q, k_cache, v_cache, out, layout, sdpa = causal_prefill(num_tokens, dtype, scale)

@@ -56,8 +56,8 @@ enum {
 #define CHUNK_TOKENS 64
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
-/* The AVX-512 path (float32 / bfloat16, head_dim a multiple of 32) keeps this many query
- * heads' accumulators in registers at once. */
+/* The vector path (float32 / bfloat16, head_dim a multiple of 32) keeps this many query heads'
+ * accumulators in registers at once. */
 #define MAX_VECTOR_GROUP 8
 /* Query tokens per work item of the prefill kernel. */
 #define PREFILL_TILE 16
@@ -854,9 +854,10 @@ static void mask_future_keys(int chunk_pos, int n, int first_pos, int group, int
     }
 }
 
-/* 2^x for LANES floats x <= 0 (0 below EXP2_FLOOR, -inf included): x = n + f with n an integer
- * and |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1.3e-7), times 2^n
- * exactly. NaN stays NaN. */
+/* 2^x for LANES floats x <= 0 (0 below EXP2_FLOOR, on AVX2 below EXP2_FLOOR + 1/2: what is lost
+ * there is under 2^-126, against a softmax sum of at least 1; -inf included): x = n + f with n an
+ * integer and |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1.3e-7), times
+ * 2^n exactly. NaN stays NaN. */
 static inline Vec exp2_vec(Vec x) {
     x = vec_max(vec_set1(EXP2_FLOOR), x); /* a NaN x is returned as it is */
     Vec n = vec_round(x);
@@ -881,7 +882,7 @@ static inline __m512i weight_pairs16(__m512 w0, __m512 w1) {
 #endif
 
 /* update_softmax over key-major scores (log2 units) of n keys, for row vectors 0 .. num_vecs:
- * per vector of 16 rows, the new running max, the rescale of the sum, the accumulator's factor
+ * per vector of LANES rows, the new running max, the rescale of the sum, the accumulator's factor
  * (into s->correction, for accumulate_columns to apply as it adds the chunk), and the weights 2^(score - max): as bf16 pairs into s->weight_pairs (key pair k at k * stride, 0 for
  * the second of an odd last key) when `as_pairs`, else over the scores. Key 0 is never masked,
  * so a row's running max is finite after its first chunk; padding rows get weights too, and are
