@@ -348,15 +348,7 @@ static int attend_seq(const Problem *p, int seq, Scratch *s) {
 #define LANES 16
 #define SCORE_KEYS 8
 typedef __m512 Vec;
-static inline Vec vec_load(const float *x) { return _mm512_loadu_ps(x); }
-static inline void vec_store(float *x, Vec v) { _mm512_storeu_ps(x, v); }
-static inline Vec vec_set1(float x) { return _mm512_set1_ps(x); }
-static inline Vec vec_zero(void) { return _mm512_setzero_ps(); }
-static inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline Vec vec_add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-static inline Vec vec_sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-static inline Vec vec_mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-static inline Vec vec_max(Vec a, Vec b) { return _mm512_max_ps(a, b); } /* b when either is NaN */
+#define VEC_PS(op) _mm512_##op##_ps /* the float intrinsic `op` at this width */
 static inline Vec vec_round(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* poly * 2^n for integral n >= -150 (2^n below 2^-126 as a subnormal or 0). */
 static inline Vec vec_times_pow2(Vec poly, Vec n) { return _mm512_scalef_ps(poly, n); }
@@ -386,15 +378,7 @@ static inline Vec vec_sum_lanes(const Vec v[LANES]) {
 #define LANES 8
 #define SCORE_KEYS 4
 typedef __m256 Vec;
-static inline Vec vec_load(const float *x) { return _mm256_loadu_ps(x); }
-static inline void vec_store(float *x, Vec v) { _mm256_storeu_ps(x, v); }
-static inline Vec vec_set1(float x) { return _mm256_set1_ps(x); }
-static inline Vec vec_zero(void) { return _mm256_setzero_ps(); }
-static inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline Vec vec_add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-static inline Vec vec_sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-static inline Vec vec_mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-static inline Vec vec_max(Vec a, Vec b) { return _mm256_max_ps(a, b); } /* b when either is NaN */
+#define VEC_PS(op) _mm256_##op##_ps
 static inline Vec vec_round(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* poly * 2^n for integral n >= -127, built in the exponent field: 2^-127 is 0 (its field is 0). */
 static inline Vec vec_times_pow2(Vec poly, Vec n) {
@@ -421,6 +405,15 @@ static inline Vec vec_sum_lanes(const Vec v[LANES]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
 }
 #endif
+static inline Vec vec_load(const float *x) { return VEC_PS(loadu)(x); }
+static inline void vec_store(float *x, Vec v) { VEC_PS(storeu)(x, v); }
+static inline Vec vec_set1(float x) { return VEC_PS(set1)(x); }
+static inline Vec vec_zero(void) { return VEC_PS(setzero)(); }
+static inline Vec vec_fma(Vec a, Vec b, Vec c) { return VEC_PS(fmadd)(a, b, c); }
+static inline Vec vec_add(Vec a, Vec b) { return VEC_PS(add)(a, b); }
+static inline Vec vec_sub(Vec a, Vec b) { return VEC_PS(sub)(a, b); }
+static inline Vec vec_mul(Vec a, Vec b) { return VEC_PS(mul)(a, b); }
+static inline Vec vec_max(Vec a, Vec b) { return VEC_PS(max)(a, b); } /* b when either is NaN */
 /* Elements i .. i + LANES - 1 of a float32 or bfloat16 row, as float32. */
 static inline Vec vec_load_row(const void *row, int i, int is_bf16) {
     return is_bf16 ? vec_load_bf16((const uint16_t *)row + i) : vec_load((const float *)row + i);
