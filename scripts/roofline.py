@@ -28,7 +28,8 @@ pool, logits) on sequences placed straight into the pool: K/V contents are the z
 runner writes into a block before its first use, so the K/V reads come from memory as a real
 step's do (on pages never written every read would hit the OS's one zero page, in cache:
 decode 32 x 1,024 then measured 35 ms, below this script's memory bound, against 73 ms).
-Scheduling and sampling are not in it.
+Scheduling and sampling are not in it. On CUDA a decode step replays its CUDA graph (captured in
+the warm-up call); the "eager ms" column times the same step without graphs.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Sizes:
 
 SIZES = {
     "cpu": Sizes(512 * 2**20, 2048, (1, 32, 64), (256, 1024, 2048), 2048),
-    "cuda": Sizes(4 * 2**30, 8192, (1, 32, 64), (256, 1024, 2048), 2048),
+    "cuda": Sizes(4 * 2**30, 8192, (1, 8, 32, 64, 256), (256, 1024, 2048), 2048),
     "tiny": Sizes(8 * 2**20, 256, (1, 2), (32, 64), 64),
 }
 
@@ -221,13 +222,13 @@ def step_products(runner, num_tokens: int, num_logits: int) -> list[tuple]:
                         torch.randn(logit_rows, config.hidden_size, dtype=dtype))]
 
 
-def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> tuple[float, float]:
+def time_step(model, tokenizer, batch: int, context: int, num_new: int, **engine_options) -> tuple[float, float]:
     """(median seconds of `ModelRunner.execute` for this step shape, median seconds of its matrix
-    products alone), on a pool just large enough."""
+    products alone), on a pool just large enough; a graphed step's capture is in the warm-up call."""
     shape_bytes = KVCacheSpec.from_model(model).bytes_per_token
     num_tokens = batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE
     llm = LLM(model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_memory=num_tokens * shape_bytes,
-              enable_prefix_caching=False, max_num_batched_tokens=max(2048, batch * num_new))
+              enable_prefix_caching=False, max_num_batched_tokens=max(2048, batch * num_new), **engine_options)
     step = placed_step(batch, context, num_new, model.config.get_text_config().vocab_size)
     runner, device = llm.engine.runner, llm.engine.runner.device
     products = step_products(runner, batch * num_new, batch)
@@ -241,14 +242,17 @@ def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> tuple
 
 
 def roofline_rows(model, tokenizer, sizes: Sizes, bandwidth: float, peak_flops: float) -> list[dict]:
-    """One row per step shape: measured time, the two bounds, and measured / bound."""
+    """One row per step shape: measured time, the two bounds, and measured / bound; on CUDA also
+    the step's eager time (no CUDA graphs)."""
     shape = ModelShape.of(model)
+    on_cuda = model.device.type == "cuda"
     cases = [("decode", b, c, 1) for c in sizes.contexts for b in sizes.batches]
     cases.append(("prefill", 1, sizes.prefill_tokens, sizes.prefill_tokens))
     rows = []
     for kind, batch, context, num_new in cases:
         num_bytes, flops = step_cost(shape, [num_new] * batch, [context] * batch)
         measured, products_s = time_step(model, tokenizer, batch, context, num_new)
+        eager_s = time_step(model, tokenizer, batch, context, num_new, cuda_graphs=False)[0] if on_cuda else None
         memory_s, compute_s = num_bytes / bandwidth, flops / peak_flops
         bound = max(memory_s, compute_s)
         rows.append({"kind": kind, "batch": batch, "context": context, "num_new_tokens": num_new,
@@ -256,21 +260,23 @@ def roofline_rows(model, tokenizer, sizes: Sizes, bandwidth: float, peak_flops: 
                      "compute_bound_s": compute_s, "bound_s": bound, "measured_over_bound": measured / bound,
                      "matmul_bound_s": products_s, "measured_over_matmul_bound": measured / products_s,
                      "achieved_flops": flops / measured, "fraction_of_matmul_rate": flops / measured / peak_flops,
-                     "achieved_bandwidth": num_bytes / measured})
+                     "achieved_bandwidth": num_bytes / measured, "eager_s": eager_s})
         print(f"  {kind} batch {batch} context {context}: {measured * 1e3:.1f} ms", file=sys.stderr, flush=True)
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| step | batch | context | measured ms | memory bound ms | compute bound ms | measured / bound "
-             "| matmul bound ms | measured / matmul bound | achieved GB/s | achieved GFLOP/s | of matmul rate |",
-             "|" + "---|" * 12]
+             "| matmul bound ms | measured / matmul bound | achieved GB/s | achieved GFLOP/s | of matmul rate "
+             "| eager ms |",
+             "|" + "---|" * 13]
     for r in rows:
+        eager = "-" if r["eager_s"] is None else f"{r['eager_s'] * 1e3:.2f}"
         lines.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['measured_s'] * 1e3:.2f} "
                      f"| {r['memory_bound_s'] * 1e3:.2f} | {r['compute_bound_s'] * 1e3:.2f} "
                      f"| {r['measured_over_bound']:.2f}x | {r['matmul_bound_s'] * 1e3:.2f} "
                      f"| {r['measured_over_matmul_bound']:.2f}x | {r['achieved_bandwidth'] / 1e9:.1f} "
-                     f"| {r['achieved_flops'] / 1e9:.1f} | {r['fraction_of_matmul_rate']:.0%} |")
+                     f"| {r['achieved_flops'] / 1e9:.1f} | {r['fraction_of_matmul_rate']:.0%} | {eager} |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
 """LLM.generate on CUDA: greedy outputs equal transformers' own `generate` on the same CUDA model.
 
 The tiny Llama/Qwen2 models and the mixed workload of tests/conftest.py, in float32, through the
-native backend (decode rows in the Triton paged kernel, when Triton is there) and the reference
-backend. Skipped without CUDA.
+native backend (decode rows in the Triton paged kernel, when Triton is there; decode-only steps
+replayed as CUDA graphs) and the reference backend. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -13,12 +13,21 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.step import ScheduledSeq, ScheduledStep
+from batchgen.kernels import cuda_attention
 from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, tiny_model, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head_dim 16, fp32
 KV_CACHE_MEMORY = "256MiB"
+NUM_PREFILLED = 40
+PREFILLED_LENS = [1 + (37 * index) % 90 for index in range(NUM_PREFILLED)]
+NUM_USED_BLOCKS = sum(length // 16 + 1 for length in PREFILLED_LENS)
+requires_triton = pytest.mark.skipif(not cuda_attention.is_available(), reason="needs Triton (no CUDA graphs without it)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +49,6 @@ def mismatches(outputs, expected) -> list[int]:
 
 
 def test_native_backend_decodes_with_the_cuda_kernel_when_triton_is_there():
-    from batchgen.kernels import cuda_attention
     from batchgen.kernels.attention import gather_decode
 
     model, _, _ = model_and_oracle("llama")
@@ -58,6 +66,55 @@ def test_greedy_equals_transformers_generate_on_cuda(family, backend):
     outputs = run_workload(llm, workload)
     assert mismatches(outputs, expected) == []
     assert llm.stats.num_cached_prompt_tokens > 0
+    if backend == "native" and cuda_attention.is_available():
+        assert llm.stats.num_graphed_steps > 0 and llm.stats.num_graph_captures > 1
+    else:
+        assert llm.engine.runner.graphs is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_equals_transformers_generate_without_cuda_graphs(family):
+    model, workload, expected = model_and_oracle(family)
+    llm = LLM(model, tokenizer=tiny_tokenizer(), cuda_graphs=False, kv_cache_memory=KV_CACHE_MEMORY)
+    assert mismatches(run_workload(llm, workload), expected) == []
+    assert llm.engine.runner.graphs is None and llm.stats.num_graphed_steps == 0
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_decode_logits_equal_eager_ones(dtype):
+    """Decode steps of 1..40 sequences (several batch buckets, padding rows) replayed as graphs
+    against the same steps run eagerly on a copy of the pool."""
+    model = tiny_model("llama").to(device="cuda", dtype=dtype)
+    graphed, seqs = prefilled_runner(model, cuda_graphs=True)
+    eager, _ = prefilled_runner(model, cuda_graphs=False)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for num_seqs in (1, 3, 17, 40):
+        step = ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs[:num_seqs]])
+        replayed, expected = graphed.execute(step).float(), eager.execute(step).float()
+        scale = expected.abs().max().item()
+        assert (replayed - expected).abs().max().item() <= tolerance * scale, num_seqs
+    assert graphed.graphs.num_replays == 4 and graphed.graphs.num_captures == 4
+    for cache, eager_cache in zip(graphed.k_caches + graphed.v_caches, eager.k_caches + eager.v_caches):
+        assert torch.equal(cache[:NUM_USED_BLOCKS], eager_cache[:NUM_USED_BLOCKS])
+
+
+def prefilled_runner(model, cuda_graphs: bool) -> tuple[ModelRunner, list[Sequence]]:
+    """A runner whose pool holds 40 prompts of 1-90 tokens (in its first NUM_USED_BLOCKS blocks),
+    each with one more token to decode."""
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=KV_CACHE_MEMORY, cuda_graphs=cuda_graphs))
+    seqs, next_block = [], 0
+    for index in range(NUM_PREFILLED):
+        length = PREFILLED_LENS[index]
+        seq = Sequence(index, [(7 * index + 3 * i) % 500 + 2 for i in range(length)], SamplingParams(), 0.0)
+        seq.block_table = list(range(next_block, next_block + length // 16 + 1))
+        next_block += len(seq.block_table)
+        seqs.append(seq)
+    runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq)) for seq in seqs]))
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq)
+        seq.token_ids.append(11)
+    return runner, seqs
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

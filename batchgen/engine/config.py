@@ -34,6 +34,7 @@ class EngineConfig:
     attention_backend: str = option("auto", one_of(*ATTENTION_BACKENDS))
     pack_linear_weights: bool = option(True, true_or_false)
     fused_step: bool = option(True, true_or_false)
+    cuda_graphs: bool = option(True, true_or_false)
 
     def __post_init__(self) -> None:
         check_options(self)

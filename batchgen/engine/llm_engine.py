@@ -144,6 +144,7 @@ class LLMEngine:
             self._sample(sampling_seqs, logits, pending_masks.result() if pending_masks else None, now)
         self.stats.num_steps += 1
         self._update_pool_stats()
+        self._update_graph_stats()
 
     def _score_prompts(self, layout: list, logits):
         """Record the prompt logprobs of this step's scored positions; returns the sampling rows'
@@ -195,6 +196,12 @@ class LLMEngine:
         stats.num_blocks_used, stats.num_blocks_free = pool.num_used_blocks, pool.num_free_blocks
         stats.num_blocks_cached, stats.num_evictions = pool.num_cached_blocks, pool.num_evictions
         stats.num_preemptions = self.scheduler.num_preemptions
+
+    def _update_graph_stats(self) -> None:
+        graphs, stats = self.runner.graphs, self.stats
+        if graphs is not None:
+            stats.num_graphed_steps, stats.num_graph_captures = graphs.num_replays, graphs.num_captures
+            stats.graph_capture_seconds = graphs.capture_seconds
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """The other samples of `seq`'s request, created when its prompt is computed."""

@@ -30,9 +30,10 @@ import psutil
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.step import ScheduledStep
-from batchgen.models import kv_bytes_per_token, kv_cache_shape
+from batchgen.models import kv_bytes_per_token, kv_cache_shape, max_context_len
 from batchgen.kernels.attention import AttentionMetadata, AttentionStep, make_backend, register
 from batchgen.kernels.cpu_linear import PackedLinears
 from batchgen.kernels.shared_prefixes import prefix_groups
@@ -67,17 +68,29 @@ class ModelRunner:
         self.block_size = config.block_size
         self.spec = KVCacheSpec.from_model(model)
         self.num_blocks = self._num_blocks(config)
-        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
+        is_graphed = config.cuda_graphs and self.device.type == "cuda" and self.backend.captures_decode
+        num_pool_blocks = self.num_blocks + is_graphed  # the graphs' scratch block past the pool
+        shape = (num_pool_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         on_cpu = self.device.type == "cpu"
         self.num_written_blocks = 0 if on_cpu else self.num_blocks  # see _write_new_blocks; device memory needs none
         if on_cpu and config.kv_cache_prefault:
             self._write_blocks(self.num_blocks)
-        self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
         model.set_attn_implementation(register())
         self.fused = FusedDecoder.build(model) if config.fused_step else None
         self.linears = PackedLinears.pack(model) if config.pack_linear_weights and self.fused is None else None
+        self.graphs = self._decode_graphs(config.max_num_seqs) if is_graphed else None
+
+    def _decode_graphs(self, max_num_seqs: int) -> DecodeGraphs:
+        """The CUDA graphs of decode steps of up to `max_num_seqs` sequences as long as the model
+        or the pool allows, their scratch block the pool's last."""
+        max_len = min(max_context_len(self.model.config.get_text_config()), self.num_blocks * self.block_size)
+        vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        return DecodeGraphs(self._forward, self.device, (max_num_seqs, vocab_size), self.model.dtype,
+                            max_blocks=-(-max_len // self.block_size), block_size=self.block_size,
+                            scratch_block=self.num_blocks)
 
     def _num_blocks(self, config: EngineConfig) -> int:
         """Blocks in the pool: `kv_cache_memory` bytes, else a share of the device's free memory."""
@@ -110,10 +123,20 @@ class ModelRunner:
         """Run one step; returns logits in the model's dtype (the sampler widens what it needs;
         a bf16 model's 256 rows are 50 MB as float32, a fresh mapping and ~12,000 page faults a
         step), in `step.seqs` order: for each sequence its `logprob_positions` rows, then its
-        last row when it samples."""
-        input_ids, positions, metadata, logit_indices = self._prepare(step)
-        self._write_new_blocks(metadata.block_tables)
+        last row when it samples. A graphed step's logits are valid until the next step."""
+        layout = StepLayout.of(step, self.block_size)
+        self._write_new_blocks(layout.block_tables)
         self._copy_blocks(step.block_copies)
+        if self.graphs is not None and layout.is_decode_only and self.graphs.fits(*layout.block_tables.shape):
+            return self.graphs.run(layout.decode_inputs())
+        metadata = layout.metadata(self.device, self.backend.shares_prefixes)
+        logit_indices = torch.tensor(layout.logit_indices, dtype=torch.long, device=self.device)
+        return self._forward(layout.token_ids.to(self.device), layout.positions.to(self.device), metadata,
+                             logit_indices)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 logit_indices: torch.Tensor | int = 0) -> torch.Tensor:
+        """The logits of the rows `logit_indices` (0: every row) of the packed step `input_ids`."""
         attention_step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
         if self.fused is not None:
             return self.fused.forward(input_ids, positions, attention_step, logit_indices)
@@ -153,8 +176,26 @@ class ModelRunner:
         for cache in (*self.k_caches, *self.v_caches):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
-    def _prepare(self, step: ScheduledStep):
-        """Flat token ids, position ids, the attention layout, and the rows whose logits are kept."""
+
+@dataclass
+class StepLayout:
+    """A scheduled step packed on the host: its flat tokens, their positions and cache slots, and
+    each sequence's rows, context and block table (see `AttentionMetadata`)."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+    query_start_loc: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables_list: list[list[int]]
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    logit_indices: list[int]  # the rows whose logits are kept
+    num_decode: int
+    block_size: int
+
+    @classmethod
+    def of(cls, step: ScheduledStep, block_size: int) -> StepLayout:
         token_ids: list[int] = []
         query_start_loc = [0]
         query_lens, context_lens, block_tables, logit_indices = [], [], [], []
@@ -170,29 +211,41 @@ class ModelRunner:
             query_start_loc.append(first_row + item.num_new_tokens)
             if item.is_sampling:
                 logit_indices.append(query_start_loc[-1] - 1)
-        device = self.device
         seq_of_token = torch.repeat_interleave(torch.arange(len(step.seqs)), torch.tensor(query_lens))
         starts = torch.tensor(context_lens) - torch.tensor(query_lens)
         positions = starts[seq_of_token] + torch.arange(len(token_ids)) - torch.tensor(query_start_loc[:-1])[seq_of_token]
         max_blocks = max(len(table) for table in block_tables)
         table_tensor = torch.tensor([table + [0] * (max_blocks - len(table)) for table in block_tables], dtype=torch.int32)
-        slots = table_tensor[seq_of_token, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        num_decode = step.num_decode
+        slots = table_tensor[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+        return cls(torch.tensor(token_ids), positions, slots, query_start_loc, query_lens, context_lens, block_tables,
+                   table_tensor, logit_indices, step.num_decode, block_size)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """One new token per sequence, each one's logits kept."""
+        return self.num_decode == len(self.query_lens) == len(self.logit_indices)
+
+    def decode_inputs(self) -> DecodeInputs:
+        return DecodeInputs(self.token_ids, self.positions, self.slots,
+                            torch.tensor(self.context_lens, dtype=torch.int32), self.block_tables)
+
+    def metadata(self, device: torch.device, shares_prefixes: bool) -> AttentionMetadata:
+        """The attention layout on `device`, with the decode rows' prefix groups when `shares_prefixes`."""
+        num_decode = self.num_decode
         metadata = AttentionMetadata(
-            slot_mapping=slots.to(device),
-            query_start_loc=query_start_loc,
-            query_lens=query_lens,
-            context_lens_list=context_lens,
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=table_tensor.to(device),
-            block_tables_list=block_tables,
+            slot_mapping=self.slots.to(device),
+            query_start_loc=self.query_start_loc,
+            query_lens=self.query_lens,
+            context_lens_list=self.context_lens,
+            context_lens=torch.tensor(self.context_lens, dtype=torch.int32, device=device),
+            block_tables=self.block_tables.to(device),
+            block_tables_list=self.block_tables_list,
             num_decode_seqs=num_decode,
             block_size=self.block_size,
         )
-        if self.backend.shares_prefixes:
-            groups = prefix_groups(block_tables[:num_decode], context_lens[:num_decode], [1] * num_decode,
-                                   self.block_size)
+        if shares_prefixes:
+            groups = prefix_groups(self.block_tables_list[:num_decode], self.context_lens[:num_decode],
+                                   [1] * num_decode, self.block_size)
             if groups:
                 metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
-        return (torch.tensor(token_ids, device=device), positions.to(device), metadata,
-                torch.tensor(logit_indices, dtype=torch.long, device=device))
+        return metadata

@@ -2,7 +2,8 @@
 
 Token and step counters only grow; pool counters (`num_blocks_*`) are the pool's state after
 the latest step; `max_num_waiting` and `max_num_waiting_tokens` are the peaks of the waiting
-queue, as each request is added. `num_computed_prompt_tokens` counts prompt positions whose K/V were computed
+queue, as each request is added; the graph counters are the runner's CUDA graphs (0 without
+them). `num_computed_prompt_tokens` counts prompt positions whose K/V were computed
 (recomputation after preemption included); with a pool large enough for no preemption it
 equals the plan's `num_tokens_to_prefill`.
 """
@@ -28,6 +29,9 @@ class EngineStats:
     num_preemptions: int = 0
     max_num_waiting: int = 0  # the longest the waiting queue has been (sequences)
     max_num_waiting_tokens: int = 0  # the most tokens the waiting queue has held
+    num_graphed_steps: int = 0  # decode steps replayed as CUDA graphs
+    num_graph_captures: int = 0
+    graph_capture_seconds: float = 0.0  # capture time, each graph's eager run included
 
     def since(self, before: EngineStats) -> EngineStats:
         """The counters' growth since `before` (pool counters: the difference of the two states)."""

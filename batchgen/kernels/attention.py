@@ -125,6 +125,7 @@ class AttentionBackend:
 
     name = "base"
     shares_prefixes = False  # whether forward() uses metadata.decode_groups
+    captures_decode = False  # whether a decode-only forward reads only the metadata's device tensors
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -216,10 +217,11 @@ class NativeBackend(AttentionBackend):
 
     name = "native"
 
-    def __init__(self, decode, prefill=None, shares_prefixes: bool = False):
+    def __init__(self, decode, prefill=None, shares_prefixes: bool = False, captures_decode: bool = False):
         self.decode = decode
         self.prefill = prefill
         self.shares_prefixes = shares_prefixes
+        self.captures_decode = captures_decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
         num_decode = meta.num_decode_seqs
@@ -335,13 +337,9 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
             return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
                                  shares_prefixes=True)
         return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True)
-    return NativeBackend(_decode_function(device))
-
-
-def _decode_function(device: torch.device):
     if device.type == "cuda":
         from batchgen.kernels import cuda_attention
 
         if cuda_attention.is_available():
-            return cuda_attention.paged_decode_attention
-    return gather_decode
+            return NativeBackend(cuda_attention.paged_decode_attention, captures_decode=True)
+    return NativeBackend(gather_decode)

@@ -70,7 +70,7 @@ def main() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_interpreter_matches_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    code = "from tests.engine.test_cuda_attention import main; main()"
+    code = "from tests.kernels.test_cuda_attention import main; main()"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
@@ -81,9 +81,10 @@ def test_module_imports_and_is_unavailable_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"
             "from batchgen.kernels import cuda_attention as ca\n"
-            "from batchgen.kernels.attention import _decode_function, gather_decode\n"
+            "from batchgen.kernels.attention import gather_decode, make_backend\n"
             "assert not ca.is_available()\n"
-            "assert _decode_function(torch.device('cuda')) is gather_decode\n"
+            "backend = make_backend('auto', torch.device('cuda'), torch.float32, 64)\n"
+            "assert backend.decode is gather_decode and not backend.captures_decode\n"
             "try:\n"
             "    ca.paged_decode_attention(*[torch.zeros(1)] * 5, 1.0)\n"
             "except RuntimeError as error:\n"
@@ -119,7 +120,8 @@ def test_cuda_strided_query_and_backend_wiring():
     from batchgen.kernels.attention import gather_decode, make_backend
 
     assert cuda_attention.is_available()
-    assert make_backend("auto", torch.device("cuda"), torch.float32).decode is cuda_attention.paged_decode_attention
+    backend = make_backend("auto", torch.device("cuda"), torch.float32, 64)
+    assert backend.decode is cuda_attention.paged_decode_attention and backend.captures_decode
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
         CUDA_CONTEXT_LENS, 9, 3, 64, torch.bfloat16, seed=5, device="cuda")
     strided_q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [S, H, D] view with head-major memory
