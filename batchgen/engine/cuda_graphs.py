@@ -151,7 +151,8 @@ class DecodeGraphs:
         self.run_on_buffers(batch, width)
         torch.cuda.synchronize(self.logits.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of the engine's other threads (constraint masks) do not break the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.run_on_buffers(batch, width)
         self.pool = graph.pool()
         self.num_captures += 1
