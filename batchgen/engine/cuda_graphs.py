@@ -18,6 +18,8 @@ Invariants:
 - A step's graph is captured after one eager run on the same buffers (that run compiles the
   kernels; its K/V writes are the ones the replay makes again).
 - The logits returned are rows of a persistent buffer: valid until the next replay.
+- With a backend that `shares_prefixes`, a graph's decode reads `max(1, batch // 2)` group rows
+  (the most `batch` rows can form), the step's groups first, then empty rows (0, 0, 0).
 - Only a backend whose decode reads no host value of the metadata (`captures_decode`) is
   captured: what a graph replays is fixed at capture.
 """
@@ -72,13 +74,15 @@ class DecodeInputs:
     slots: torch.Tensor  # [S] int64
     context_lens: torch.Tensor  # [S] int32
     block_tables: torch.Tensor  # [S, width] int32
+    groups: torch.Tensor  # [G, 3] int32 shared-prefix groups of the rows (G may be 0)
 
 
 class DecodeGraphs:
     """The captured decode steps of one model runner and their input buffers."""
 
     def __init__(self, forward: DecodeForward, device: torch.device, logits_shape: tuple[int, int],
-                 logits_dtype: torch.dtype, max_blocks: int, block_size: int, scratch_block: int):
+                 logits_dtype: torch.dtype, max_blocks: int, block_size: int, scratch_block: int,
+                 shares_prefixes: bool = False):
         max_batch, _ = logits_shape
         self.forward = forward
         self.batch_buckets = batch_buckets(max_batch)
@@ -90,6 +94,9 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch,), scratch_block * block_size, dtype=torch.long, device=device)
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.full((max_batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        # a group has two members or more; an empty row (0, 0, 0) is no group
+        self.groups = (torch.zeros((self._num_groups(max_batch), 3), dtype=torch.int32, device=device)
+                       if shares_prefixes else None)
         self.logits = torch.empty(logits_shape, dtype=logits_dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -125,6 +132,15 @@ class DecodeGraphs:
         tables = inputs.block_tables.new_full((batch, width), self.scratch_block)
         tables[:num_seqs, :table_len] = inputs.block_tables
         self.block_tables[:batch, :width].copy_(tables)
+        if self.groups is not None:
+            groups = inputs.groups.new_zeros((self._num_groups(batch), 3))
+            groups[: len(inputs.groups)] = inputs.groups
+            self.groups[: len(groups)].copy_(groups)
+
+    @staticmethod
+    def _num_groups(batch: int) -> int:
+        """Group rows of a `batch`-row graph: as many as its rows can form."""
+        return max(1, batch // 2)
 
     def metadata(self, batch: int, width: int) -> AttentionMetadata:
         """The layout of a `batch` x `width` graph over the buffers. Its host lists describe the
@@ -139,6 +155,7 @@ class DecodeGraphs:
             block_tables_list=[[self.scratch_block]] * batch,
             num_decode_seqs=batch,
             block_size=self.block_size,
+            decode_groups=None if self.groups is None else self.groups[: self._num_groups(batch)],
         )
 
     def run_on_buffers(self, batch: int, width: int) -> None:

@@ -90,7 +90,7 @@ class ModelRunner:
         vocab_size = self.model.get_output_embeddings().weight.shape[0]
         return DecodeGraphs(self._forward, self.device, (max_num_seqs, vocab_size), self.model.dtype,
                             max_blocks=-(-max_len // self.block_size), block_size=self.block_size,
-                            scratch_block=self.num_blocks)
+                            scratch_block=self.num_blocks, shares_prefixes=self.backend.shares_prefixes)
 
     def _num_blocks(self, config: EngineConfig) -> int:
         """Blocks in the pool: `kv_cache_memory` bytes, else a share of the device's free memory."""
@@ -128,7 +128,7 @@ class ModelRunner:
         self._write_new_blocks(layout.block_tables)
         self._copy_blocks(step.block_copies)
         if self.graphs is not None and layout.is_decode_only and self.graphs.fits(*layout.block_tables.shape):
-            return self.graphs.run(layout.decode_inputs())
+            return self.graphs.run(layout.decode_inputs(self.backend.shares_prefixes))
         metadata = layout.metadata(self.device, self.backend.shares_prefixes)
         logit_indices = torch.tensor(layout.logit_indices, dtype=torch.long, device=self.device)
         return self._forward(layout.token_ids.to(self.device), layout.positions.to(self.device), metadata,
@@ -225,9 +225,16 @@ class StepLayout:
         """One new token per sequence, each one's logits kept."""
         return self.num_decode == len(self.query_lens) == len(self.logit_indices)
 
-    def decode_inputs(self) -> DecodeInputs:
+    def decode_groups(self) -> list[tuple[int, int, int]]:
+        """The decode rows' shared-prefix groups (`shared_prefixes.prefix_groups`)."""
+        num_decode = self.num_decode
+        return prefix_groups(self.block_tables_list[:num_decode], self.context_lens[:num_decode], [1] * num_decode,
+                             self.block_size)
+
+    def decode_inputs(self, shares_prefixes: bool) -> DecodeInputs:
+        groups = torch.tensor(self.decode_groups() if shares_prefixes else [], dtype=torch.int32).view(-1, 3)
         return DecodeInputs(self.token_ids, self.positions, self.slots,
-                            torch.tensor(self.context_lens, dtype=torch.int32), self.block_tables)
+                            torch.tensor(self.context_lens, dtype=torch.int32), self.block_tables, groups)
 
     def metadata(self, device: torch.device, shares_prefixes: bool) -> AttentionMetadata:
         """The attention layout on `device`, with the decode rows' prefix groups when `shares_prefixes`."""
@@ -243,9 +250,7 @@ class StepLayout:
             num_decode_seqs=num_decode,
             block_size=self.block_size,
         )
-        if shares_prefixes:
-            groups = prefix_groups(self.block_tables_list[:num_decode], self.context_lens[:num_decode],
-                                   [1] * num_decode, self.block_size)
-            if groups:
-                metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
+        groups = self.decode_groups() if shares_prefixes else []
+        if groups:
+            metadata.decode_groups = torch.tensor(groups, dtype=torch.int32, device=device)
         return metadata

@@ -20,7 +20,8 @@ Layout invariants (`AttentionMetadata`):
 
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
 others; "native" batches decode rows through one kernel call that reads the pool in place
-(compiled C on CPU, Triton on CUDA; a gather + SDPA fallback where neither is available) and
+(compiled C on CPU, Triton on CUDA, both reading a group's shared prefix once: cascade; a
+gather + SDPA fallback where neither is available) and
 runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
 float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
 head_dim 64, "native" is `AmxBackend`: every prefill chunk and decode row through the AMX
@@ -341,5 +342,5 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
         from batchgen.kernels import cuda_attention
 
         if cuda_attention.is_available():
-            return NativeBackend(cuda_attention.paged_decode_attention, captures_decode=True)
+            return NativeBackend(cuda_attention.paged_decode_attention, shares_prefixes=True, captures_decode=True)
     return NativeBackend(gather_decode)

@@ -16,6 +16,13 @@ Widening also keeps one code path that Triton's CPU interpreter runs correctly: 
 multiply bfloat16 operands in `tl.dot`. Scores, the running max and sum and the output
 accumulator are float32 (online softmax in base 2).
 
+Cascade (shared prefixes). Given ``groups``, a second kernel reads each group's shared prefix
+once for all its members: one program per (group, kv head, split) holds the query rows of up
+to PREFIX_BLOCK_M // group-size members and runs the same online softmax over the prefix's
+tiles; each member's own kernel starts past the prefix, and the merge kernel combines the two
+as it combines splits. A step of 16 sequences on one 1,024-token prefix then reads the prefix's
+K/V once instead of 16 times.
+
 Split-K (flash-decoding). When sequences × kv heads alone would leave SMs idle (small batch,
 long context), each sequence's context is cut into ``num_splits`` contiguous token ranges;
 every split writes its normalised partial output and log-sum-exp, and a second kernel merges
@@ -56,6 +63,7 @@ LOG2_E = 1.4426950408889634
 MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+PREFIX_BLOCK_M = 64  # query rows of a group's members a prefix program holds at once
 PROGRAMS_PER_SM = 4
 
 
@@ -83,34 +91,18 @@ def launch_config(head_dim: int) -> tuple[int, int, int, int]:
 if triton is not None:
 
     @triton.jit
-    def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        scale_log2, tokens_per_split, num_splits,
-        stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
-        stride_table_seq, stride_out_seq, stride_out_head,
-        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        """Online softmax of one kv head's query group over one token range of one sequence."""
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        context_len = tl.load(context_lens_ptr + seq)
-        start = split * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, context_len)
-        offs_h = tl.arange(0, BLOCK_H)
+    def _attend_range(q, k_ptr, v_ptr, table, kv_head, start, end, scale_log2,
+                      stride_k_block, stride_k_token, stride_k_head, BLOCK_ROWS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Online softmax of the query rows `q` ([BLOCK_ROWS, BLOCK_D] float32) over the tokens
+        start..end-1 of one kv head, found through `table`: (accumulator, row max, row sum)."""
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
-        heads = kv_head * GROUP + offs_h
-        head_mask = offs_h < GROUP
         dim_mask = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
-                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
-        row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        row_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+        row_max = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_ROWS], tl.float32)
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
         for tile_start in range(start, end, BLOCK_N):
             positions = tile_start + offs_n
             is_valid = positions < end
@@ -127,29 +119,105 @@ if triton is not None:
             v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
             acc = acc * correction[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
             row_max = new_max
-        denominator = tl.maximum(row_sum, 1.0)  # row_sum >= 1 (the max term is 1) unless the split is empty
-        result = acc / denominator[:, None]
-        store_mask = head_mask[:, None] & dim_mask[None, :]
+        return acc, row_max, row_sum
+
+    @triton.jit
+    def _store_part(part_out_ptr, part_lse_ptr, part_rows, row_mask, acc, row_max, row_sum,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Store a range's normalised output and log2-sum-exp at rows `part_rows` of the partials."""
+        offs_d = tl.arange(0, BLOCK_D)
+        denominator = tl.maximum(row_sum, 1.0)  # row_sum >= 1 (the max term is 1) unless the range is empty
+        tl.store(part_out_ptr + part_rows[:, None] * BLOCK_D + offs_d[None, :], acc / denominator[:, None],
+                 mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+        tl.store(part_lse_ptr + part_rows, row_max + tl.log2(denominator), mask=row_mask)
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, starts_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        scale_log2, tokens_per_split, num_parts,
+        stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
+        stride_table_seq, stride_out_seq, stride_out_head,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_STARTS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Online softmax of one kv head's query group over one token range of one sequence: the
+        split-th range of tokens_per_split from the sequence's start (starts_ptr, else 0)."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context_len = tl.load(context_lens_ptr + seq)
+        start = split * tokens_per_split
+        if HAS_STARTS:
+            start += tl.load(starts_ptr + seq)
+        end = tl.minimum(start + tokens_per_split, context_len)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + offs_h
+        head_mask = offs_h < GROUP
+        dim_mask = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+        acc, row_max, row_sum = _attend_range(q, k_ptr, v_ptr, table, kv_head, start, end, scale_log2,
+                                              stride_k_block, stride_k_token, stride_k_head, BLOCK_H, HEAD_DIM,
+                                              BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
         if IS_SPLIT:
-            part_rows = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
-            tl.store(part_out_ptr + part_rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=store_mask)
-            tl.store(part_lse_ptr + part_rows, row_max + tl.log2(denominator), mask=head_mask)
+            part_rows = (seq * (GROUP * tl.num_programs(1)) + heads) * num_parts + split
+            _store_part(part_out_ptr, part_lse_ptr, part_rows, head_mask, acc, row_max, row_sum, HEAD_DIM, BLOCK_D)
         else:
+            result = acc / tl.maximum(row_sum, 1.0)[:, None]
             out_rows = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head
-            tl.store(out_rows + offs_d[None, :], result.to(out_ptr.dtype.element_ty), mask=store_mask)
+            tl.store(out_rows + offs_d[None, :], result.to(out_ptr.dtype.element_ty),
+                     mask=head_mask[:, None] & dim_mask[None, :])
+
+    @triton.jit
+    def _prefix_split_kernel(
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, groups_ptr, part_out_ptr, part_lse_ptr,
+        scale_log2, tokens_per_split, num_splits, num_parts,
+        stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head, stride_table_seq,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One group's shared prefix (the split-th range of it) for one kv head: the query rows of
+        every member, BLOCK_M // GROUP members at a time, over K/V tiles read once for all of them;
+        each member's partial goes to part num_splits + split."""
+        group = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        first = tl.load(groups_ptr + group * 3)
+        end = tl.load(groups_ptr + group * 3 + 1)
+        prefix_len = tl.load(groups_ptr + group * 3 + 2)
+        start = split * tokens_per_split
+        stop = tl.minimum(start + tokens_per_split, prefix_len)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        table = block_tables_ptr + first.to(tl.int64) * stride_table_seq  # every member holds these blocks
+        for pass_first in range(first, end, BLOCK_M // GROUP):
+            members = pass_first + offs_m // GROUP
+            heads = kv_head * GROUP + offs_m % GROUP
+            row_mask = (offs_m < (BLOCK_M // GROUP) * GROUP) & (members < end)
+            q = tl.load(q_ptr + members[:, None] * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+                        mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+            acc, row_max, row_sum = _attend_range(q, k_ptr, v_ptr, table, kv_head, start, stop, scale_log2,
+                                                  stride_k_block, stride_k_token, stride_k_head, BLOCK_M, HEAD_DIM,
+                                                  BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            part_rows = (members * (GROUP * tl.num_programs(1)) + heads) * num_parts + num_splits + split
+            _store_part(part_out_ptr, part_lse_ptr, part_rows, row_mask, acc, row_max, row_sum, HEAD_DIM, BLOCK_D)
 
     @triton.jit
     def _merge_splits_kernel(
-        part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_out_seq, stride_out_head,
+        part_out_ptr, part_lse_ptr, out_ptr, num_parts, stride_out_seq, stride_out_head,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     ):
-        """Weight each split's partial output by its share of the total softmax mass."""
+        """Weight each part's output by its share of the total softmax mass (a part never
+        written has lse -inf and output 0)."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_SPLITS)
         offs_d = tl.arange(0, BLOCK_D)
-        split_mask = offs_s < num_splits
-        first_row = (seq * tl.num_programs(1) + head) * num_splits
+        split_mask = offs_s < num_parts
+        first_row = (seq * tl.num_programs(1) + head) * num_parts
         lse = tl.load(part_lse_ptr + first_row + offs_s, mask=split_mask, other=float("-inf"))
         weights = tl.exp2(lse - tl.max(lse, 0))
         parts = tl.load(part_out_ptr + (first_row + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
@@ -197,6 +265,7 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -207,6 +276,11 @@ def paged_decode_attention(
     [1, max_blocks * block_size]. Query head ``h`` reads kv head ``h // (num_heads //
     num_kv_heads)``. Returns [num_seqs, num_heads, head_dim] in ``q``'s dtype: ``out`` when
     given, else a new tensor. ``num_splits`` overrides the split-K choice (tests use it).
+
+    ``groups`` (int32 [G, 3] rows (first, end, prefix_tokens), `shared_prefixes.prefix_groups`;
+    rows with first == end are empty): sequences first..end-1 hold the same blocks for their
+    first prefix_tokens tokens, which are then read once for all of them (cascade attention);
+    each member attends its own tokens from prefix_tokens on, and the two parts are merged.
     """
     if triton is None:
         raise RuntimeError("the CUDA paged-attention kernel needs Triton, which is not installed")
@@ -215,6 +289,10 @@ def paged_decode_attention(
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if groups is not None and (groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[1] != 3
+                               or not groups.is_contiguous() or groups.device != q.device):
+        raise ValueError(f"groups must be a contiguous int32 [num_groups, 3] tensor on {q.device}, got "
+                         f"{groups.dtype} {tuple(groups.shape)} on {groups.device}")
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
@@ -226,23 +304,43 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, tokens_per_split)  # no split left without a token
+    num_parts = 2 * num_splits if groups is not None else num_splits  # a member's prefix parts follow its own
     part_out = part_lse = out
-    if num_splits > 1:
-        part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    if groups is not None:  # a sequence in no group leaves its prefix parts as written here
+        part_out = torch.zeros((num_seqs, num_heads, num_parts, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.full((num_seqs, num_heads, num_parts), float("-inf"), dtype=torch.float32, device=q.device)
+    elif num_parts > 1:
+        part_out = torch.empty((num_seqs, num_heads, num_parts, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    shapes = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+                  num_stages=num_stages)
+    starts = suffix_starts(groups, num_seqs) if groups is not None else context_lens
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * LOG2_E, tokens_per_split, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        q, k_cache, v_cache, block_tables, context_lens, starts, out, part_out, part_lse,
+        scale * LOG2_E, tokens_per_split, num_parts, *strides, out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), IS_SPLIT=num_parts > 1,
+        HAS_STARTS=groups is not None, **shapes,
     )
-    if num_splits > 1:
+    if groups is not None and len(groups):
+        _prefix_split_kernel[(len(groups), num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, groups, part_out, part_lse,
+            scale * LOG2_E, tokens_per_split, num_splits, num_parts, *strides,
+            GROUP=group, BLOCK_M=max(PREFIX_BLOCK_M, triton.next_power_of_2(group)), **shapes,
+        )
+    if num_parts > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=1,
+            part_out, part_lse, out, num_parts, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(num_parts), num_warps=1,
         )
     return out
+
+
+def suffix_starts(groups: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """int32 [num_seqs]: each sequence's first token past its group's prefix (0 outside a group),
+    computed on the device (no host sync: a captured step replays it)."""
+    seqs = torch.arange(num_seqs, dtype=torch.int32, device=groups.device)[:, None]
+    first, end, prefix_tokens = groups.unbind(1)
+    in_group = (seqs >= first[None]) & (seqs < end[None])
+    return (in_group * prefix_tokens[None]).sum(1, dtype=torch.int32)

@@ -58,3 +58,13 @@ def shuffled_tables(context_lens, block_size, generator) -> tuple[list[list[int]
         tables.append(order[used:used + count])
         used += count
     return tables, len(order)
+
+
+def shared_prefix_inputs(dtype, seed, num_heads=9, num_kv_heads=3, head_dim=64, block_size=BLOCK_SIZE, device="cpu"):
+    """23 sequences: 0-19 hold the same first 6 blocks, 20-21 the same first block, 22 its own."""
+    context_lens = [6 * block_size + 1 + 7 * i % 50 for i in range(20)] + [block_size + 3, 2 * block_size + 5, 40]
+    q, k_cache, v_cache, block_tables, contexts = make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype,
+                                                              seed, pad=-1, block_size=block_size)
+    block_tables[1:20, :6] = block_tables[0, :6]
+    block_tables[21, :1] = block_tables[20, :1]
+    return tuple(t.to(device) for t in (q, k_cache, v_cache, block_tables, contexts))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchgen.kernels import cpu_attention
-from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
+from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention, shared_prefix_inputs
 
 pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the kernel")
 
@@ -140,16 +140,6 @@ def test_builds_into_cache_dir(monkeypatch, tmp_path):
         assert len(built) == 1 and built[0].suffix == ".so"
     finally:
         cpu_attention._load_kernel.cache_clear()
-
-
-def shared_prefix_inputs(dtype, seed, num_heads=9, num_kv_heads=3, head_dim=64, block_size=BLOCK_SIZE):
-    """23 sequences: 0-19 hold the same first 6 blocks, 20-21 the same first block, 22 its own."""
-    context_lens = [6 * block_size + 1 + 7 * i % 50 for i in range(20)] + [block_size + 3, 2 * block_size + 5, 40]
-    q, k_cache, v_cache, block_tables, contexts = make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype,
-                                                              seed, pad=-1, block_size=block_size)
-    block_tables[1:20, :6] = block_tables[0, :6]
-    block_tables[21, :1] = block_tables[20, :1]
-    return q, k_cache, v_cache, block_tables, contexts
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)

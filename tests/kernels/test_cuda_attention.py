@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from batchgen.kernels import cuda_attention
-from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention
+from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention, shared_prefix_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -52,6 +52,25 @@ def check_case(context_lens, shape, dtype, num_splits, device) -> str | None:
     return None
 
 
+def check_cascade_case(shape, dtype, num_splits, device) -> str | None:
+    """Shared-prefix groups (20 members over a prefix ending inside a block, 2 over one block, an
+    empty padding row) against the reference; None when they match."""
+    num_heads, num_kv_heads, head_dim = shape
+    q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(dtype, 23, num_heads, num_kv_heads,
+                                                                           head_dim, device=device)
+    groups = torch.tensor([[0, 20, 6 * BLOCK_SIZE - 3], [20, 22, BLOCK_SIZE], [0, 0, 0]], dtype=torch.int32,
+                          device=device)
+    out = torch.full_like(q, float("nan"))
+    cuda_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125, out=out,
+                                          num_splits=num_splits, groups=groups)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    atol, rtol = TOLERANCES[dtype]
+    error = (out.double() - expected).abs()
+    if torch.isnan(out).any() or not (error <= atol + rtol * expected.abs()).all():
+        return f"cascade {dtype} {shape} splits={num_splits}: max error {error.max().item():.3g}"
+    return None
+
+
 def interpreter_cases():
     """Each dtype and each shape; the merge path (3 splits) and the direct one (on the CPU the
     automatic choice is 1 split) alternate so both meet every dtype and shape at least once."""
@@ -61,9 +80,11 @@ def interpreter_cases():
 
 def main() -> None:
     """Interpreter run (under TRITON_INTERPRET=1): every case on the CPU; exit 1 on a mismatch."""
-    failures = [f for dtype, shape, splits in interpreter_cases()
-                if (f := check_case(INTERPRETER_CONTEXT_LENS, shape, dtype, splits, "cpu")) is not None]
-    print("\n".join(failures) or f"{len(interpreter_cases())} cases match")
+    results = [check_case(INTERPRETER_CONTEXT_LENS, shape, dtype, splits, "cpu")
+               for dtype, shape, splits in interpreter_cases()]
+    results += [check_cascade_case(shape, dtype, splits, "cpu") for dtype, shape, splits in interpreter_cases()]
+    failures = [f for f in results if f is not None]
+    print("\n".join(failures) or f"{len(results)} cases match")
     sys.exit(1 if failures else 0)
 
 
@@ -74,7 +95,7 @@ def test_interpreter_matches_reference():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert f"{len(interpreter_cases())} cases match" in result.stdout
+    assert f"{2 * len(interpreter_cases())} cases match" in result.stdout
 
 
 def test_module_imports_and_is_unavailable_without_triton():
@@ -112,6 +133,15 @@ requires_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_matches_reference(dtype, shape, num_splits):
     assert check_case(CUDA_CONTEXT_LENS, shape, dtype, num_splits, "cuda") is None
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_cascade_matches_reference(dtype, shape, num_splits):
+    assert check_cascade_case(shape, dtype, num_splits, "cuda") is None
 
 
 @pytest.mark.gpu
