@@ -8,8 +8,8 @@ call; only the step's inputs change between replays.
 Invariants:
 - A graph runs a decode-only step (one new token per sequence, every row's logits kept) of at
   most `max_batch` sequences whose block tables have at most `max_blocks` entries. Graphs are
-  keyed by (batch bucket, table width bucket), captured the first time a step of that shape
-  runs, and share one memory pool; `num_captures` and `capture_seconds` say what capture cost.
+  keyed by (batch bucket, table width bucket, whether the step has shared-prefix groups),
+  captured the first time a step of that shape runs, and share one memory pool; `num_captures` and `capture_seconds` say what capture cost.
 - Inputs live in persistent device buffers of `max_batch` rows: each replay copies the step's
   token ids, positions, slots, context lengths and block tables into their first rows. A row
   past the step's batch is padding: token 0 at position 0, whose K/V go to slot 0 of
@@ -18,8 +18,10 @@ Invariants:
 - A step's graph is captured after one eager run on the same buffers (that run compiles the
   kernels; its K/V writes are the ones the replay makes again).
 - The logits returned are rows of a persistent buffer: valid until the next replay.
-- With a backend that `shares_prefixes`, a graph's decode reads `max(1, batch // 2)` group rows
-  (the most `batch` rows can form), the step's groups first, then empty rows (0, 0, 0).
+- A step with groups (a backend that `shares_prefixes`) replays a graph whose decode reads
+  `max(1, batch // 2)` group rows (the most `batch` rows can form): the step's groups first,
+  then empty rows (0, 0, 0). A step without groups replays one with no cascade at all (on an
+  H200, the cascade's extra kernels cost 1.0-1.4 ms a step at 32-256 rows when nothing is shared).
 - Only a backend whose decode reads no host value of the metadata (`captures_decode`) is
   captured: what a graph replays is fixed at capture.
 """
@@ -98,7 +100,7 @@ class DecodeGraphs:
         self.groups = (torch.zeros((self._num_groups(max_batch), 3), dtype=torch.int32, device=device)
                        if shares_prefixes else None)
         self.logits = torch.empty(logits_shape, dtype=logits_dtype, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
         self.num_captures = 0
@@ -111,7 +113,8 @@ class DecodeGraphs:
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
         """The logits [S, vocab] of a decode step that `fits`, by its graph (captured if new)."""
         num_seqs, table_len = inputs.block_tables.shape
-        shape = (bucket_of(num_seqs, self.batch_buckets), bucket_of(table_len, self.width_buckets))
+        shape = (bucket_of(num_seqs, self.batch_buckets), bucket_of(table_len, self.width_buckets),
+                 self.groups is not None and len(inputs.groups) > 0)
         self.load(inputs, *shape)
         graph = self.graphs.get(shape)
         if graph is None:
@@ -120,7 +123,7 @@ class DecodeGraphs:
         self.num_replays += 1
         return self.logits[:num_seqs]
 
-    def load(self, inputs: DecodeInputs, batch: int, width: int) -> None:
+    def load(self, inputs: DecodeInputs, batch: int, width: int, has_groups: bool = False) -> None:
         """Copy the step's inputs into the buffers' first rows and reset rows up to `batch` to padding."""
         num_seqs, table_len = inputs.block_tables.shape
         padding = batch - num_seqs
@@ -132,7 +135,7 @@ class DecodeGraphs:
         tables = inputs.block_tables.new_full((batch, width), self.scratch_block)
         tables[:num_seqs, :table_len] = inputs.block_tables
         self.block_tables[:batch, :width].copy_(tables)
-        if self.groups is not None:
+        if has_groups:
             groups = inputs.groups.new_zeros((self._num_groups(batch), 3))
             groups[: len(inputs.groups)] = inputs.groups
             self.groups[: len(groups)].copy_(groups)
@@ -142,7 +145,7 @@ class DecodeGraphs:
         """Group rows of a `batch`-row graph: as many as its rows can form."""
         return max(1, batch // 2)
 
-    def metadata(self, batch: int, width: int) -> AttentionMetadata:
+    def metadata(self, batch: int, width: int, has_groups: bool) -> AttentionMetadata:
         """The layout of a `batch` x `width` graph over the buffers. Its host lists describe the
         rows as padding: a captured decode reads only the device tensors."""
         return AttentionMetadata(
@@ -155,22 +158,22 @@ class DecodeGraphs:
             block_tables_list=[[self.scratch_block]] * batch,
             num_decode_seqs=batch,
             block_size=self.block_size,
-            decode_groups=None if self.groups is None else self.groups[: self._num_groups(batch)],
+            decode_groups=self.groups[: self._num_groups(batch)] if has_groups else None,
         )
 
-    def run_on_buffers(self, batch: int, width: int) -> None:
+    def run_on_buffers(self, batch: int, width: int, has_groups: bool = False) -> None:
         """The step a `batch` x `width` graph replays, run eagerly: logits into the buffer."""
-        metadata = self.metadata(batch, width)
+        metadata = self.metadata(batch, width, has_groups)
         self.logits[:batch].copy_(self.forward(self.input_ids[:batch], self.positions[:batch], metadata))
 
-    def _capture(self, batch: int, width: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, batch: int, width: int, has_groups: bool) -> torch.cuda.CUDAGraph:
         started = time.perf_counter()
-        self.run_on_buffers(batch, width)
+        self.run_on_buffers(batch, width, has_groups)
         torch.cuda.synchronize(self.logits.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of the engine's other threads (constraint masks) do not break the capture
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.run_on_buffers(batch, width)
+            self.run_on_buffers(batch, width, has_groups)
         self.pool = graph.pool()
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - started
