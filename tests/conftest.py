@@ -49,6 +49,27 @@ def hf_greedy(model, prompt_ids: list[int], max_tokens: int, eos: bool = False) 
     return out[0, len(prompt_ids):].tolist()
 
 
+def prefill_placed_prompts(runner, prompt_lens: list[int], block_size: int = 16):
+    """Sequences of `prompt_lens` tokens (ids from their index), each on its own consecutive blocks
+    of `runner`'s pool, prefilled in one step, then given one more token to decode:
+    (the sequences, the prefill step's logits)."""
+    from batchgen.engine.sequence import Sequence
+    from batchgen.engine.step import ScheduledSeq, ScheduledStep
+    from batchgen.sampling_params import SamplingParams
+
+    seqs, next_block = [], 0
+    for index, length in enumerate(prompt_lens):
+        seq = Sequence(index, [(7 * index + 3 * i) % 500 + 2 for i in range(length)], SamplingParams(), 0.0)
+        seq.block_table = list(range(next_block, next_block + length // block_size + 1))
+        next_block += len(seq.block_table)
+        seqs.append(seq)
+    prefill = runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq)) for seq in seqs]))
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq)
+        seq.token_ids.append(11)
+    return seqs, prefill
+
+
 def mixed_workload(vocab_size: int, seed: int = 0, block_size: int = 16, max_len: int = 300):
     """>= 40 prompts: shared prefixes shorter than a block, exactly a block and many blocks, prompts
     that are prefixes of others, duplicates, lengths 1..max_len, max_tokens 1..64.

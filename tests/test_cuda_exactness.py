@@ -18,14 +18,13 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
 from batchgen.kernels import cuda_attention
-from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, tiny_model, tiny_tokenizer
+from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, prefill_placed_prompts, tiny_model, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head_dim 16, fp32
 KV_CACHE_MEMORY = "256MiB"
-NUM_PREFILLED = 40
-PREFILLED_LENS = [1 + (37 * index) % 90 for index in range(NUM_PREFILLED)]
+PREFILLED_LENS = [1 + (37 * index) % 90 for index in range(40)]
 requires_triton = pytest.mark.skipif(not cuda_attention.is_available(), reason="needs Triton (no CUDA graphs without it)")
 
 
@@ -85,8 +84,8 @@ def test_graphed_decode_logits_equal_eager_ones(dtype):
     """Decode steps of 1..40 sequences (several batch buckets, padding rows) replayed as graphs
     against the same steps run eagerly on a copy of the pool."""
     model = tiny_model("llama").to(device="cuda", dtype=dtype)
-    graphed, seqs = prefilled_runner(model, cuda_graphs=True)
-    eager, _ = prefilled_runner(model, cuda_graphs=False)
+    graphed, seqs = cuda_runner(model, cuda_graphs=True)
+    eager, _ = cuda_runner(model, cuda_graphs=False)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     for num_seqs in (1, 3, 17, 40):
         step = ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs[:num_seqs]])
@@ -100,39 +99,7 @@ def test_graphed_decode_logits_equal_eager_ones(dtype):
         assert torch.equal(cache.flatten(0, 1)[written], eager_cache.flatten(0, 1)[written])
 
 
-def prefilled_runner(model, cuda_graphs: bool) -> tuple[ModelRunner, list[Sequence]]:
+def cuda_runner(model, cuda_graphs: bool) -> tuple[ModelRunner, list[Sequence]]:
     """A runner whose pool holds 40 prompts of 1-90 tokens, each with one more token to decode."""
     runner = ModelRunner(model, EngineConfig(kv_cache_memory=KV_CACHE_MEMORY, cuda_graphs=cuda_graphs))
-    seqs, next_block = [], 0
-    for index in range(NUM_PREFILLED):
-        length = PREFILLED_LENS[index]
-        seq = Sequence(index, [(7 * index + 3 * i) % 500 + 2 for i in range(length)], SamplingParams(), 0.0)
-        seq.block_table = list(range(next_block, next_block + length // 16 + 1))
-        next_block += len(seq.block_table)
-        seqs.append(seq)
-    runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq)) for seq in seqs]))
-    for seq in seqs:
-        seq.num_computed_tokens = len(seq)
-        seq.token_ids.append(11)
-    return runner, seqs
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_small_pool_preempts_with_same_outputs_on_cuda(family):
-    model, workload, expected = model_and_oracle(family)
-    llm = LLM(model, tokenizer=tiny_tokenizer(), kv_cache_memory=40 * 16 * BYTES_PER_TOKEN, max_num_batched_tokens=128)
-    outputs = run_workload(llm, workload)
-    assert mismatches(outputs, expected) == []
-    assert llm.engine.scheduler.num_preemptions > 0
-
-
-def test_bfloat16_native_agrees_with_reference_backend():
-    model = tiny_model("llama").to(device="cuda", dtype=torch.bfloat16)
-    workload = mixed_workload(TINY_VOCAB)
-    runs = {}
-    for backend in ("native", "reference"):
-        llm = LLM(model, tokenizer=tiny_tokenizer(), attention_backend=backend, kv_cache_memory=KV_CACHE_MEMORY)
-        runs[backend] = run_workload(llm, workload)
-    assert [len(o.token_ids) for o in runs["native"]] == [max_tokens for _, max_tokens in workload]
-    same_first = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(runs["native"], runs["reference"]))
-    assert same_first >= 0.9 * len(workload)
+    return runner, prefill_placed_prompts(runner, PREFILLED_LENS)[0]

@@ -15,8 +15,7 @@ from batchgen.engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_of, 
 from batchgen.engine.model_runner import ModelRunner, StepLayout
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.sampling_params import SamplingParams
-from tests.conftest import tiny_model
+from tests.conftest import prefill_placed_prompts, tiny_model
 
 BLOCK_SIZE = 16
 PROMPT_LENS = [37, 5, 16, 70, 33]
@@ -40,30 +39,19 @@ def test_bucket_of_is_the_smallest_bucket_that_holds_the_value():
     assert [bucket_of(n, buckets) for n in (1, 3, 32, 33, 65, 256)] == [1, 4, 32, 64, 96, 256]
 
 
-def prefilled_runner(model) -> tuple[ModelRunner, list[Sequence]]:
-    """A runner whose pool holds the prompts of PROMPT_LENS, each with one more token to decode."""
+def cpu_runner(model) -> tuple[ModelRunner, list[Sequence]]:
+    """A CPU runner whose pool holds the prompts of PROMPT_LENS, each with one more token to decode."""
     runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, fused_step=False, device="cpu"))
-    seqs, next_block = [], 0
-    for index, length in enumerate(PROMPT_LENS):
-        seq = Sequence(index, [(7 * index + 3 * i) % 500 + 2 for i in range(length)], SamplingParams(), 0.0)
-        num_blocks = length // BLOCK_SIZE + 1
-        seq.block_table = list(range(next_block, next_block + num_blocks))
-        next_block += num_blocks
-        seqs.append(seq)
-    runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq)) for seq in seqs]))
-    for seq in seqs:
-        seq.num_computed_tokens = len(seq)
-        seq.token_ids.append(11)
-    return runner, seqs
+    return runner, prefill_placed_prompts(runner, PROMPT_LENS, BLOCK_SIZE)[0]
 
 
 @pytest.mark.parametrize("batch", [5, 8])
 def test_buffers_step_equals_the_eager_decode_step_and_padding_writes_only_the_scratch_block(batch):
     model = tiny_model("llama")
-    eager_runner, eager_seqs = prefilled_runner(model)
+    eager_runner, eager_seqs = cpu_runner(model)
     eager = eager_runner.execute(ScheduledStep([ScheduledSeq(seq, 1) for seq in eager_seqs]))
 
-    runner, seqs = prefilled_runner(model)
+    runner, seqs = cpu_runner(model)
     scratch = runner.num_blocks - 1  # a block no sequence here holds
     max_blocks = max(len(seq.block_table) for seq in seqs) + 3
     graphs = DecodeGraphs(runner._forward, runner.device, (8, eager.shape[1]), eager.dtype, max_blocks,
@@ -81,7 +69,7 @@ def test_buffers_step_equals_the_eager_decode_step_and_padding_writes_only_the_s
 
 
 def test_a_step_that_keeps_prompt_logits_or_prefills_is_not_decode_only():
-    _, seqs = prefilled_runner(tiny_model("llama"))
+    _, seqs = cpu_runner(tiny_model("llama"))
     decode = StepLayout.of(ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs]), BLOCK_SIZE)
     seqs[0].num_computed_tokens -= 3
     mixed = StepLayout.of(ScheduledStep([ScheduledSeq(seqs[0], 4), ScheduledSeq(seqs[1], 1)]), BLOCK_SIZE)

@@ -15,7 +15,7 @@ from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
 from batchgen.kernels import decoder_ops
 from batchgen.sampling_params import SamplingParams
-from tests.conftest import tiny_model
+from tests.conftest import prefill_placed_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not decoder_ops.is_available() or not torch.backends.mkldnn.is_available(),
                                 reason="no C compiler or oneDNN")
@@ -31,17 +31,7 @@ def step_logits(model, fused: bool) -> torch.Tensor:
     each), on a fresh pool; rows of both steps concatenated."""
     runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, fused_step=fused))
     assert (runner.fused is not None) == fused
-    seqs, next_block = [], 0
-    for index, length in enumerate(PROMPT_LENS):
-        seq = Sequence(index, [(7 * index + 3 * i) % 500 + 2 for i in range(length)], SamplingParams(), 0.0)
-        num_blocks = length // BLOCK_SIZE + 1
-        seq.block_table = list(range(next_block, next_block + num_blocks))
-        next_block += num_blocks
-        seqs.append(seq)
-    prefill = runner.execute(ScheduledStep([ScheduledSeq(seq, len(seq)) for seq in seqs]))
-    for seq in seqs:
-        seq.num_computed_tokens = len(seq)
-        seq.token_ids.append(11)
+    seqs, prefill = prefill_placed_prompts(runner, PROMPT_LENS, BLOCK_SIZE)
     decode = runner.execute(ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs]))
     return torch.cat([prefill, decode])
 
