@@ -222,15 +222,25 @@ def step_products(runner, num_tokens: int, num_logits: int) -> list[tuple]:
                         torch.randn(logit_rows, config.hidden_size, dtype=dtype))]
 
 
-def time_step(model, tokenizer, batch: int, context: int, num_new: int, **engine_options) -> tuple[float, float]:
-    """(median seconds of `ModelRunner.execute` for this step shape, median seconds of its matrix
-    products alone), on a pool just large enough; a graphed step's capture is in the warm-up call."""
+def placed_runner(model, tokenizer, batch: int, context: int, num_new: int, **engine_options):
+    """(a runner on a pool just large enough, the step `placed_step` puts into it)."""
     shape_bytes = KVCacheSpec.from_model(model).bytes_per_token
     num_tokens = batch * -(-context // BLOCK_SIZE) * BLOCK_SIZE
     llm = LLM(model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_memory=num_tokens * shape_bytes,
               enable_prefix_caching=False, max_num_batched_tokens=max(2048, batch * num_new), **engine_options)
-    step = placed_step(batch, context, num_new, model.config.get_text_config().vocab_size)
-    runner, device = llm.engine.runner, llm.engine.runner.device
+    return llm.engine.runner, placed_step(batch, context, num_new, model.config.get_text_config().vocab_size)
+
+
+@torch.inference_mode()
+def execute_time(runner, step) -> float:
+    """Median seconds of `ModelRunner.execute` for `step`; a graphed step's capture is in the warm-up call."""
+    return median_time(lambda: runner.execute(step), runner.device)
+
+
+def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> tuple[float, float]:
+    """(median seconds of `ModelRunner.execute` for this step shape, median seconds of its matrix
+    products alone), on a pool just large enough."""
+    runner, step = placed_runner(model, tokenizer, batch, context, num_new)
     products = step_products(runner, batch * num_new, batch)
 
     def run_products():
@@ -238,7 +248,7 @@ def time_step(model, tokenizer, batch: int, context: int, num_new: int, **engine
             product(x)
 
     with torch.inference_mode():
-        return median_time(lambda: runner.execute(step), device), median_time(run_products, device)
+        return execute_time(runner, step), median_time(run_products, runner.device)
 
 
 def roofline_rows(model, tokenizer, sizes: Sizes, bandwidth: float, peak_flops: float) -> list[dict]:
@@ -252,7 +262,8 @@ def roofline_rows(model, tokenizer, sizes: Sizes, bandwidth: float, peak_flops: 
     for kind, batch, context, num_new in cases:
         num_bytes, flops = step_cost(shape, [num_new] * batch, [context] * batch)
         measured, products_s = time_step(model, tokenizer, batch, context, num_new)
-        eager_s = time_step(model, tokenizer, batch, context, num_new, cuda_graphs=False)[0] if on_cuda else None
+        eager_s = (execute_time(*placed_runner(model, tokenizer, batch, context, num_new, cuda_graphs=False))
+                   if on_cuda else None)
         memory_s, compute_s = num_bytes / bandwidth, flops / peak_flops
         bound = max(memory_s, compute_s)
         rows.append({"kind": kind, "batch": batch, "context": context, "num_new_tokens": num_new,

@@ -9,7 +9,8 @@ Invariants:
 - A graph runs a decode-only step (one new token per sequence, every row's logits kept) of at
   most `max_batch` sequences whose block tables have at most `max_blocks` entries. Graphs are
   keyed by (batch bucket, table width bucket, whether the step has shared-prefix groups),
-  captured the first time a step of that shape runs, and share one memory pool; `num_captures` and `capture_seconds` say what capture cost.
+  captured the first time a step of that shape runs, and share one memory pool;
+  `num_captures` and `capture_seconds` say what capture cost.
 - Inputs live in persistent device buffers of `max_batch` rows: each replay copies the step's
   token ids, positions, slots, context lengths and block tables into their first rows. A row
   past the step's batch is padding: token 0 at position 0, whose K/V go to slot 0 of
@@ -20,8 +21,7 @@ Invariants:
 - The logits returned are rows of a persistent buffer: valid until the next replay.
 - A step with groups (a backend that `shares_prefixes`) replays a graph whose decode reads
   `max(1, batch // 2)` group rows (the most `batch` rows can form): the step's groups first,
-  then empty rows (0, 0, 0). A step without groups replays one with no cascade at all (on an
-  H200, the cascade's extra kernels cost 1.0-1.4 ms a step at 32-256 rows when nothing is shared).
+  then empty rows (0, 0, 0). A step without groups replays one with no cascade at all.
 - Only a backend whose decode reads no host value of the metadata (`captures_decode`) is
   captured: what a graph replays is fixed at capture.
 """
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from batchgen.kernels.attention import AttentionMetadata
 
@@ -123,22 +124,19 @@ class DecodeGraphs:
         self.num_replays += 1
         return self.logits[:num_seqs]
 
-    def load(self, inputs: DecodeInputs, batch: int, width: int, has_groups: bool = False) -> None:
+    def load(self, inputs: DecodeInputs, batch: int, width: int, has_groups: bool) -> None:
         """Copy the step's inputs into the buffers' first rows and reset rows up to `batch` to padding."""
         num_seqs, table_len = inputs.block_tables.shape
-        padding = batch - num_seqs
-        self.input_ids[:batch].copy_(torch.cat([inputs.token_ids, inputs.token_ids.new_zeros(padding)]))
-        self.positions[:batch].copy_(torch.cat([inputs.positions, inputs.positions.new_zeros(padding)]))
-        self.slots[:batch].copy_(torch.cat([inputs.slots, inputs.slots.new_full((padding,), self.scratch_block
-                                                                               * self.block_size)]))
-        self.context_lens[:batch].copy_(torch.cat([inputs.context_lens, inputs.context_lens.new_ones(padding)]))
-        tables = inputs.block_tables.new_full((batch, width), self.scratch_block)
-        tables[:num_seqs, :table_len] = inputs.block_tables
-        self.block_tables[:batch, :width].copy_(tables)
+        padding = (0, batch - num_seqs)
+        self.input_ids[:batch].copy_(F.pad(inputs.token_ids, padding))
+        self.positions[:batch].copy_(F.pad(inputs.positions, padding))
+        self.slots[:batch].copy_(F.pad(inputs.slots, padding, value=self.scratch_block * self.block_size))
+        self.context_lens[:batch].copy_(F.pad(inputs.context_lens, padding, value=1))
+        self.block_tables[:batch, :width].copy_(F.pad(inputs.block_tables, (0, width - table_len, *padding),
+                                                      value=self.scratch_block))
         if has_groups:
-            groups = inputs.groups.new_zeros((self._num_groups(batch), 3))
-            groups[: len(inputs.groups)] = inputs.groups
-            self.groups[: len(groups)].copy_(groups)
+            num_groups = self._num_groups(batch)
+            self.groups[:num_groups].copy_(F.pad(inputs.groups, (0, 0, 0, num_groups - len(inputs.groups))))
 
     @staticmethod
     def _num_groups(batch: int) -> int:
@@ -161,7 +159,7 @@ class DecodeGraphs:
             decode_groups=self.groups[: self._num_groups(batch)] if has_groups else None,
         )
 
-    def run_on_buffers(self, batch: int, width: int, has_groups: bool = False) -> None:
+    def run_on_buffers(self, batch: int, width: int, has_groups: bool) -> None:
         """The step a `batch` x `width` graph replays, run eagerly: logits into the buffer."""
         metadata = self.metadata(batch, width, has_groups)
         self.logits[:batch].copy_(self.forward(self.input_ids[:batch], self.positions[:batch], metadata))

@@ -19,8 +19,8 @@ accumulator are float32 (online softmax in base 2).
 Cascade (shared prefixes). Given ``groups``, a second kernel reads each group's shared prefix
 once for all its members: one program per (group, kv head, split) holds the query rows of up
 to PREFIX_BLOCK_M // group-size members and runs the same online softmax over the prefix's
-tiles; each member's own kernel starts past the prefix, and the merge kernel combines the two
-as it combines splits. A step of 16 sequences on one 1,024-token prefix then reads the prefix's
+tiles; each member's own kernel finds its group in ``groups`` and starts past the prefix, and
+the merge kernel combines the two as it combines splits. A step of 16 sequences on one 1,024-token prefix then reads the prefix's
 K/V once instead of 16 times.
 
 Split-K (flash-decoding). When sequences × kv heads alone would leave SMs idle (small batch,
@@ -133,23 +133,32 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, starts_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        scale_log2, tokens_per_split, num_parts,
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, groups_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        scale_log2, tokens_per_split, num_parts, num_groups,
         stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
         stride_table_seq, stride_out_seq, stride_out_head,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_STARTS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         """Online softmax of one kv head's query group over one token range of one sequence: the
-        split-th range of tokens_per_split from the sequence's start (starts_ptr, else 0)."""
+        split-th range of tokens_per_split from the sequence's start, past its group's prefix when
+        it is in one of the `num_groups` groups (BLOCK_G > 0: a cascade call, whose prefix parts
+        follow each sequence's own; this program writes a sequence's empty prefix part when it is
+        in no group, `_prefix_split_kernel` a member's)."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         context_len = tl.load(context_lens_ptr + seq)
         start = split * tokens_per_split
-        if HAS_STARTS:
-            start += tl.load(starts_ptr + seq)
+        if BLOCK_G > 0:
+            offs_g = tl.arange(0, BLOCK_G)
+            group_rows = groups_ptr + offs_g * 3
+            group_mask = offs_g < num_groups
+            in_group = ((seq >= tl.load(group_rows, mask=group_mask, other=0))
+                        & (seq < tl.load(group_rows + 1, mask=group_mask, other=0)))
+            start += tl.sum(tl.where(in_group, tl.load(group_rows + 2, mask=group_mask, other=0), 0), 0)
+            num_memberships = tl.sum(in_group.to(tl.int32), 0)
         end = tl.minimum(start + tokens_per_split, context_len)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -165,6 +174,10 @@ if triton is not None:
         if IS_SPLIT:
             part_rows = (seq * (GROUP * tl.num_programs(1)) + heads) * num_parts + split
             _store_part(part_out_ptr, part_lse_ptr, part_rows, head_mask, acc, row_max, row_sum, HEAD_DIM, BLOCK_D)
+            if BLOCK_G > 0:  # an empty range: output 0, lse -inf
+                _store_part(part_out_ptr, part_lse_ptr, part_rows + num_parts // 2, head_mask & (num_memberships == 0),
+                            tl.zeros([BLOCK_H, BLOCK_D], tl.float32), tl.full([BLOCK_H], float("-inf"), tl.float32),
+                            tl.zeros([BLOCK_H], tl.float32), HEAD_DIM, BLOCK_D)
         else:
             result = acc / tl.maximum(row_sum, 1.0)[:, None]
             out_rows = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head
@@ -306,25 +319,22 @@ def paged_decode_attention(
     num_splits = triton.cdiv(max_context, tokens_per_split)  # no split left without a token
     num_parts = 2 * num_splits if groups is not None else num_splits  # a member's prefix parts follow its own
     part_out = part_lse = out
-    if groups is not None:  # a sequence in no group leaves its prefix parts as written here
-        part_out = torch.zeros((num_seqs, num_heads, num_parts, block_d), dtype=torch.float32, device=q.device)
-        part_lse = torch.full((num_seqs, num_heads, num_parts), float("-inf"), dtype=torch.float32, device=q.device)
-    elif num_parts > 1:
+    if num_parts > 1:
         part_out = torch.empty((num_seqs, num_heads, num_parts, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     shapes = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
                   num_stages=num_stages)
-    starts = suffix_starts(groups, num_seqs) if groups is not None else context_lens
+    num_groups = 0 if groups is None else len(groups)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, starts, out, part_out, part_lse,
-        scale * LOG2_E, tokens_per_split, num_parts, *strides, out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, context_lens, context_lens if groups is None else groups, out, part_out,
+        part_lse, scale * LOG2_E, tokens_per_split, num_parts, num_groups, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), IS_SPLIT=num_parts > 1,
-        HAS_STARTS=groups is not None, **shapes,
+        BLOCK_G=0 if groups is None else triton.next_power_of_2(max(1, num_groups)), **shapes,
     )
-    if groups is not None and len(groups):
-        _prefix_split_kernel[(len(groups), num_kv_heads, num_splits)](
+    if num_groups:
+        _prefix_split_kernel[(num_groups, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, groups, part_out, part_lse,
             scale * LOG2_E, tokens_per_split, num_splits, num_parts, *strides,
             GROUP=group, BLOCK_M=max(PREFIX_BLOCK_M, triton.next_power_of_2(group)), **shapes,
@@ -336,11 +346,3 @@ def paged_decode_attention(
         )
     return out
 
-
-def suffix_starts(groups: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """int32 [num_seqs]: each sequence's first token past its group's prefix (0 outside a group),
-    computed on the device (no host sync: a captured step replays it)."""
-    seqs = torch.arange(num_seqs, dtype=torch.int32, device=groups.device)[:, None]
-    first, end, prefix_tokens = groups.unbind(1)
-    in_group = (seqs >= first[None]) & (seqs < end[None])
-    return (in_group * prefix_tokens[None]).sum(1, dtype=torch.int32)

@@ -58,8 +58,8 @@ def test_buffers_step_equals_the_eager_decode_step_and_padding_writes_only_the_s
                           BLOCK_SIZE, scratch)
     layout = StepLayout.of(ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs]), BLOCK_SIZE)
     assert layout.is_decode_only and graphs.fits(*layout.block_tables.shape)
-    graphs.load(layout.decode_inputs(shares_prefixes=False), batch, max_blocks)
-    graphs.run_on_buffers(batch, max_blocks)
+    graphs.load(layout.decode_inputs(shares_prefixes=False), batch, max_blocks, has_groups=False)
+    graphs.run_on_buffers(batch, max_blocks, has_groups=False)
 
     assert torch.allclose(graphs.logits[: len(seqs)], eager, atol=1e-5, rtol=1e-5)
     assert torch.equal(graphs.logits[: len(seqs)].argmax(-1), eager.argmax(-1))
