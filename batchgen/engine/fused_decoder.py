@@ -1,20 +1,24 @@
-"""The fused CPU step of a Llama-family model: four oneDNN GEMMs and three C passes per layer.
+"""The fused step of a Llama-family model: four GEMMs and three elementwise passes per layer.
 
 transformers' forward of a decoder layer runs seven linear layers and a few dozen small tensor
 ops (norms, rotary embeddings, activation, residual adds, transposes), each a separate call;
-on a CPU those calls cost as much as the matrix products of a decode step. `FusedDecoder`
-computes the same step from the same weights with:
+on a CPU those calls cost as much as the matrix products of a decode step, and on a GPU their
+launches cost more than the step's arithmetic. `FusedDecoder` computes the same step from the
+same weights with:
 
-- q|k|v and gate|up merged into one product each, every weight packed once for oneDNN;
-- `decoder_ops` C passes: residual add + RMSNorm, rotary embeddings + K/V store into the pool,
-  SiLU(gate) * up;
+- q|k|v and gate|up merged into one product each, every weight packed once (for oneDNN or
+  batchgen's bf16 kernel on a CPU; concatenated for cuBLAS on a GPU);
+- three fused passes: residual add + RMSNorm, rotary embeddings + K/V store into the pool,
+  SiLU(gate) * up: `decoder_ops`' C on a CPU, `cuda_decoder_ops`' Triton kernels on a GPU;
 - batchgen's attention backend on the pool, as the transformers path uses it.
 
 Invariants:
-- `FusedDecoder.build(model)` returns None unless the model is a CPU `llama`, `mistral` or
-  `qwen2` model in float32 or bfloat16 with a SiLU MLP and the C ops build here; the engine
-  then runs transformers' forward. It copies the weights it packs (the model is untouched;
-  later changes to its weights are not seen).
+- `FusedDecoder.build(model)` returns None unless the model is a `llama`, `mistral` or `qwen2`
+  model with a SiLU MLP whose device has the fused ops: on a CPU in float32 or bfloat16 with
+  the C ops built here, on CUDA in float32, bfloat16 or float16 with Triton; the engine then
+  runs transformers' forward. It copies the weights it merges (the model is untouched; later
+  changes to its weights are not seen).
+- A step reads no host value of a device tensor: on CUDA it can be captured in a graph.
 - Rows are padded to `cpu_linear.bucketed` rows for every product (a multiple of 32 where a
   weight runs on oneDNN, which keeps state per input shape; none on the bf16 kernel); padding
   rows never reach the pool or a kept logit.
@@ -36,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import decoder_ops
+from batchgen.kernels import cuda_decoder_ops, decoder_ops
 from batchgen.kernels.attention import AttentionMetadata, AttentionStep
 from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
@@ -67,13 +71,21 @@ class FusedLayer:
         )
 
 
+def fused_ops(device: torch.device):
+    """The fused elementwise ops of `device` (`decoder_ops` or `cuda_decoder_ops`), or None."""
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and decoder_ops.is_available():
+        return decoder_ops
+    if device.type == "cuda" and cuda_decoder_ops.is_available():
+        return cuda_decoder_ops
+    return None
+
+
 def is_supported(model) -> bool:
-    """A CPU Llama-family model in float32 / bfloat16 whose layers `FusedLayer` can read."""
+    """A Llama-family model whose layers `FusedLayer` can read, on a device with fused ops for its dtype."""
     config = model.config
-    if (config.model_type not in SUPPORTED_MODEL_TYPES or model.device.type != "cpu"
-            or model.dtype not in decoder_ops.DTYPE_CODES or getattr(config, "hidden_act", None) != "silu"):
-        return False
-    if not torch.backends.mkldnn.is_available() or not decoder_ops.is_available():
+    ops = fused_ops(model.device)
+    if (config.model_type not in SUPPORTED_MODEL_TYPES or ops is None or getattr(config, "hidden_act", None) != "silu"
+            or model.dtype not in (decoder_ops.DTYPE_CODES if ops is decoder_ops else cuda_decoder_ops.DTYPES)):
         return False
     attention = model.model.layers[0].self_attn
     has_bias = [p.bias is not None for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
@@ -85,6 +97,7 @@ class FusedDecoder:
 
     def __init__(self, model):
         decoder = model.model
+        self.ops = fused_ops(model.device)
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
         self.layers = [FusedLayer.from_module(layer) for layer in decoder.layers]
@@ -109,38 +122,40 @@ class FusedDecoder:
             return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
-                logit_indices: torch.Tensor) -> torch.Tensor:
-        """Logits (in the model's dtype) of the rows `logit_indices` of a step of `len(input_ids)` tokens."""
-        num_tokens = len(input_ids)
+                logit_indices: list[int] | None) -> torch.Tensor:
+        """Logits (in the model's dtype) of the rows `logit_indices` (None: every row) of a step of
+        `len(input_ids)` tokens."""
+        num_tokens, ops = len(input_ids), self.ops
         rows = StepRows.allocate(self.embed_tokens(F.pad(input_ids, (0, bucketed(num_tokens, self.row_bucket)
                                                                      - num_tokens))), num_tokens, self)
         cos, sin = self.rotary_emb(rows.residual[None], positions[None])
-        decoder_ops.add_rms_norm(rows.normed, rows.residual, None, self.layers[0].input_norm, self.eps)
+        ops.add_rms_norm(rows.normed, rows.residual, None, self.layers[0].input_norm, self.eps)
         keys = rows.residual.new_empty((num_tokens, self.num_kv_heads, self.head_dim))
         value_start = (self.num_heads + self.num_kv_heads) * self.head_dim
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        metadata, tail = step.metadata, output_tail(step.metadata, logit_indices.tolist())
+        metadata = step.metadata
+        tail = None if logit_indices is None else output_tail(metadata, logit_indices)
+        kept_rows = slice(num_tokens) if logit_indices is None else torch.tensor(logit_indices, device=input_ids.device)
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             k_cache, v_cache = step.k_caches[index], step.v_caches[index]
             qkv = packed_linear(rows.normed, layer.qkv)
             with profiler_span(ATTENTION_SPAN):
-                decoder_ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
+                ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
                                           metadata.slot_mapping)
                 values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
                 if index == len(self.layers) - 1 and tail is not None:
-                    metadata, logit_indices = tail.metadata, tail.logit_indices
+                    metadata, kept_rows = tail.metadata, tail.logit_indices
                     rows, keys, values = rows.select(tail.rows, self), keys[tail.rows], values[tail.rows]
                 step.backend.forward(rows.heads[:rows.num_tokens], keys, values, k_cache, v_cache, metadata,
                                      self.scale, rows.attended[:rows.num_tokens])
-            decoder_ops.add_rms_norm(rows.normed, rows.residual,
-                                     packed_linear(rows.attended.flatten(1), layer.o),
-                                     layer.post_norm, self.eps)
-            decoder_ops.silu_mul(rows.activated, packed_linear(rows.normed, layer.gate_up))
-            decoder_ops.add_rms_norm(rows.normed, rows.residual, packed_linear(rows.activated, layer.down), next_norm,
-                                     self.eps)
-        kept = rows.normed[logit_indices]
-        kept = F.pad(kept, (0, 0, 0, bucketed(len(kept), self.row_bucket) - len(kept)))
-        return packed_linear(kept, self.lm_head)[: len(logit_indices)]
+            ops.add_rms_norm(rows.normed, rows.residual, packed_linear(rows.attended.flatten(1), layer.o),
+                             layer.post_norm, self.eps)
+            ops.silu_mul(rows.activated, packed_linear(rows.normed, layer.gate_up))
+            ops.add_rms_norm(rows.normed, rows.residual, packed_linear(rows.activated, layer.down), next_norm, self.eps)
+        kept = rows.normed[kept_rows]
+        num_kept = len(kept)
+        kept = F.pad(kept, (0, 0, 0, bucketed(num_kept, self.row_bucket) - num_kept))
+        return packed_linear(kept, self.lm_head)[:num_kept]
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 Invariants:
 - One forward pass per step over all scheduled tokens, batch dimension 1, no padding:
-  decode sequences (one new token) first, then prefill chunks. The pass is the fused CPU
-  step (`FusedDecoder`) where it applies and `fused_step` is on, else transformers' forward.
+  decode sequences (one new token) first, then prefill chunks. The pass is the fused step
+  (`FusedDecoder`, CPU or CUDA) where it applies and `fused_step` is on, else transformers'
+  forward. The fused step's merged weights are built before the pool is sized.
 - Token t's position id is its index in its sequence; its K/V go to the slot given by the
   sequence's block table.
 - Logits are computed only for the last token of sequences that sample after this step, and
@@ -67,6 +68,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = config.block_size
         self.spec = KVCacheSpec.from_model(model)
+        self.fused = FusedDecoder.build(model) if config.fused_step else None
         self.num_blocks = self._num_blocks(config)
         self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
         is_graphed = config.cuda_graphs and self.device.type == "cuda" and self.backend.captures_decode
@@ -79,7 +81,6 @@ class ModelRunner:
         if on_cpu and config.kv_cache_prefault:
             self._write_blocks(self.num_blocks)
         model.set_attn_implementation(register())
-        self.fused = FusedDecoder.build(model) if config.fused_step else None
         self.linears = PackedLinears.pack(model) if config.pack_linear_weights and self.fused is None else None
         self.graphs = self._decode_graphs(config.max_num_seqs) if is_graphed else None
 
@@ -130,22 +131,22 @@ class ModelRunner:
         if self.graphs is not None and layout.is_decode_only and self.graphs.fits(*layout.block_tables.shape):
             return self.graphs.run(layout.decode_inputs(self.backend.shares_prefixes))
         metadata = layout.metadata(self.device, self.backend.shares_prefixes)
-        logit_indices = torch.tensor(layout.logit_indices, dtype=torch.long, device=self.device)
         return self._forward(layout.token_ids.to(self.device), layout.positions.to(self.device), metadata,
-                             logit_indices)
+                             None if layout.is_decode_only else layout.logit_indices)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                 logit_indices: torch.Tensor | int = 0) -> torch.Tensor:
-        """The logits of the rows `logit_indices` (0: every row) of the packed step `input_ids`."""
+                 logit_indices: list[int] | None = None) -> torch.Tensor:
+        """The logits of the rows `logit_indices` (None: every row) of the packed step `input_ids`."""
         attention_step = AttentionStep(self.k_caches, self.v_caches, metadata, self.backend)
         if self.fused is not None:
             return self.fused.forward(input_ids, positions, attention_step, logit_indices)
+        kept = 0 if logit_indices is None else torch.tensor(logit_indices, dtype=torch.long, device=self.device)
         with self.linears or contextlib.nullcontext():
             output = self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
                 use_cache=False,
-                logits_to_keep=logit_indices,
+                logits_to_keep=kept,
                 batchgen_step=attention_step,
             )
         return output.logits[0]

@@ -1,4 +1,5 @@
-"""Linear layers with pre-packed weights: the CPU GEMM of batchgen's steps.
+"""Linear layers with pre-packed weights: the CPU GEMM of batchgen's steps (on a GPU, the
+concatenated weight as it is, for cuBLAS).
 
 torch's default CPU GEMM runs the products of a decode step (tens of rows against each
 weight matrix) well below the machine's matmul rate; oneDNN, with each weight reordered
@@ -14,7 +15,7 @@ Invariants:
 - `pack_weights` packs each weight once for the GEMMs that may run it: `bf16_gemm` for a bf16
   weight whose inputs that kernel takes, oneDNN for the rest, and on AMX both (the kernel runs
   products of up to `bf16_gemm.max_rows()` rows, oneDNN larger ones: twice the memory of those
-  weights).
+  weights). A weight off the CPU is kept `dense` (one weight: the model's own tensor, no copy).
 - `packed_linear` picks by the product's row count, so the same rows always take the same GEMM.
 - `PackedLinears.pack(model)` packs every ``nn.Linear`` weight once (a copy: as much memory
   again as those weights; later changes to the weights are not seen) and leaves the model
@@ -45,13 +46,15 @@ ROW_BUCKET = 32
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight packed once for the GEMMs that run it, and its bias: products of up to
-    `kernel_rows` rows run on `bf16_gemm` (`panels`), larger ones on oneDNN (`onednn`)."""
+    `kernel_rows` rows run on `bf16_gemm` (`panels`), larger ones on oneDNN (`onednn`); a
+    device weight (`dense`) runs on `F.linear`."""
 
     onednn: torch.Tensor | None  # oneDNN's packed layout; None where every product runs on bf16_gemm
     panels: torch.Tensor | None  # `bf16_gemm.pack`'s layout; None where kernel_rows is 0
     kernel_rows: int
     bias: torch.Tensor | None
     out_features: int
+    dense: torch.Tensor | None = None  # [out_features, in_features] on a GPU; None on the CPU
 
 
 def row_bucket(weights: list[PackedWeight]) -> int:
@@ -69,9 +72,11 @@ def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
     """The row-wise concatenation of `weights` (and of their biases, all given or all None),
     packed once: one product computes all of them. A bf16 weight the kernel takes is packed for
     it, and for oneDNN too where the kernel runs only small products (on AMX: both copies)."""
-    weight = torch.cat([w.detach() for w in weights])
+    weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     out_features, in_features = weight.shape
+    if weight.device.type != "cpu":
+        return PackedWeight(None, None, 0, bias, out_features, dense=weight)
     on_kernel = weight.dtype == torch.bfloat16 and bf16_gemm.takes(in_features)
     panels, kernel_rows = (bf16_gemm.pack(weight), bf16_gemm.max_rows()) if on_kernel else (None, 0)
     needs_onednn = kernel_rows < bf16_gemm.UNLIMITED_ROWS
@@ -81,6 +86,8 @@ def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``x @ weight.T + bias`` for a 2-D `x` whose rows are `bucketed` for `packed` already."""
+    if packed.dense is not None:
+        return F.linear(x, packed.dense, packed.bias)
     if packed.panels is not None and x.shape[0] <= packed.kernel_rows:
         return bf16_gemm.linear(x, packed.panels, packed.bias, packed.out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")

@@ -39,19 +39,21 @@ def test_bucket_of_is_the_smallest_bucket_that_holds_the_value():
     assert [bucket_of(n, buckets) for n in (1, 3, 32, 33, 65, 256)] == [1, 4, 32, 64, 96, 256]
 
 
-def cpu_runner(model) -> tuple[ModelRunner, list[Sequence]]:
+def cpu_runner(model, fused_step: bool = False) -> tuple[ModelRunner, list[Sequence]]:
     """A CPU runner whose pool holds the prompts of PROMPT_LENS, each with one more token to decode."""
-    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, fused_step=False, device="cpu"))
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, fused_step=fused_step, device="cpu"))
     return runner, prefill_placed_prompts(runner, PROMPT_LENS, BLOCK_SIZE)[0]
 
 
+@pytest.mark.parametrize("fused_step", [False, True])
 @pytest.mark.parametrize("batch", [5, 8])
-def test_buffers_step_equals_the_eager_decode_step_and_padding_writes_only_the_scratch_block(batch):
+def test_buffers_step_equals_the_eager_decode_step_and_padding_writes_only_the_scratch_block(batch, fused_step):
     model = tiny_model("llama")
-    eager_runner, eager_seqs = cpu_runner(model)
+    eager_runner, eager_seqs = cpu_runner(model, fused_step)
     eager = eager_runner.execute(ScheduledStep([ScheduledSeq(seq, 1) for seq in eager_seqs]))
 
-    runner, seqs = cpu_runner(model)
+    runner, seqs = cpu_runner(model, fused_step)
+    assert (runner.fused is not None) == fused_step
     scratch = runner.num_blocks - 1  # a block no sequence here holds
     max_blocks = max(len(seq.block_table) for seq in seqs) + 3
     graphs = DecodeGraphs(runner._forward, runner.device, (8, eager.shape[1]), eager.dtype, max_blocks,

@@ -1,29 +1,60 @@
-"""The fused C ops of a decoder step against transformers' own modules, float32 and bfloat16."""
+"""The fused ops of a decoder step against transformers' own modules, float32 and bfloat16: the
+C ops (this CPU's build and the portable loops) and the Triton ops of a CUDA step (on CUDA, `gpu`
+marker, and on the CPU through Triton's interpreter).
+
+TRITON_INTERPRET is read when Triton is imported, so the interpreter cases run in a subprocess
+(`test_triton_ops_under_the_interpreter`), which runs this file with the variable set.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from batchgen.kernels import decoder_ops
+from batchgen.kernels import cuda_decoder_ops, decoder_ops
 
-pytestmark = pytest.mark.skipif(not decoder_ops.is_available(), reason="no C compiler")
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.bfloat16]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+IS_INTERPRETER_RUN = os.environ.get("TRITON_INTERPRET") == "1"
+needs_c = pytest.mark.skipif(not decoder_ops.is_available(), reason="no C compiler")
 
 
-@pytest.fixture(autouse=True, params=["native", "portable"])
-def build(request, monkeypatch):
-    """Every test runs on this CPU's build (AVX-512 intrinsics where it has them) and on the portable
-    loops that a CPU without AVX-512 runs."""
-    if request.param == "portable":
+class Ops(NamedTuple):
+    module: object  # decoder_ops or cuda_decoder_ops
+    device: str
+
+
+@pytest.fixture(params=[
+    pytest.param("c-native", marks=needs_c),
+    pytest.param("c-portable", marks=needs_c),
+    pytest.param("triton-interpreter", marks=pytest.mark.skipif(
+        not IS_INTERPRETER_RUN, reason="runs in test_triton_ops_under_the_interpreter's subprocess")),
+    pytest.param("triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")]),
+])
+def ops(request, monkeypatch) -> Ops:
+    """The ops under test: this CPU's C build (AVX-512 intrinsics where it has them), the portable
+    loops that a CPU without AVX-512 runs, or the Triton kernels."""
+    if request.param == "c-portable":
         library = decoder_ops.load_build(("-mno-avx512f",))
         monkeypatch.setattr(decoder_ops, "_library", lambda: library)
+    if request.param.startswith("triton"):
+        return Ops(cuda_decoder_ops, "cuda" if request.param == "triton-cuda" else "cpu")
+    return Ops(decoder_ops, "cpu")
 
 
-def randn(*shape, dtype, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul(3).to(dtype)
+def randn(*shape, dtype, seed, device="cpu"):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul(3).to(device=device, dtype=dtype)
 
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -38,19 +69,19 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_rows", [1, 5, 300])  # 300 rows take the parallel path
-def test_add_rms_norm_equals_residual_add_then_llama_rmsnorm(dtype, num_rows):
-    hidden = 576
-    norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
-    norm.weight.data = randn(hidden, dtype=dtype, seed=1)
-    residual, x = randn(num_rows, hidden, dtype=dtype, seed=2), randn(num_rows, hidden, dtype=dtype, seed=3)
+@pytest.mark.parametrize("num_rows", [1, 5, 300])  # 300 rows take the C ops' parallel path
+def test_add_rms_norm_equals_residual_add_then_llama_rmsnorm(ops, dtype, num_rows):
+    hidden, device = 576, ops.device
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
+    norm.weight.data = randn(hidden, dtype=dtype, seed=1, device=device)
+    residual, x = randn(num_rows, hidden, dtype=dtype, seed=2, device=device), randn(num_rows, hidden, dtype=dtype, seed=3, device=device)
     expected_residual = residual + x
     out = torch.full_like(residual, float("nan"))
-    decoder_ops.add_rms_norm(out, residual, x, norm.weight.data, 1e-5)
+    ops.module.add_rms_norm(out, residual, x, norm.weight.data, 1e-5)
     assert torch.equal(residual, expected_residual)
     with torch.no_grad():
         assert_close(out, norm(expected_residual))
-    decoder_ops.add_rms_norm(out, residual, None, norm.weight.data, 1e-5)  # no add: the residual stays
+    ops.module.add_rms_norm(out, residual, None, norm.weight.data, 1e-5)  # no add: the residual stays
     assert torch.equal(residual, expected_residual)
     with torch.no_grad():
         assert_close(out, norm(expected_residual))
@@ -58,17 +89,17 @@ def test_add_rms_norm_equals_residual_add_then_llama_rmsnorm(dtype, num_rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [3, 200])
-def test_rope_write_kv_equals_apply_rotary_pos_emb_and_stores_k_v_at_their_slots(dtype, num_tokens):
-    num_heads, num_kv_heads, head_dim = 9, 3, 64
-    qkv = randn(num_tokens + 5, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=4)  # 5 padding rows
-    angles = randn(num_tokens, head_dim // 2, dtype=torch.float32, seed=5)
+def test_rope_write_kv_equals_apply_rotary_pos_emb_and_stores_k_v_at_their_slots(ops, dtype, num_tokens):
+    num_heads, num_kv_heads, head_dim, device = 9, 3, 64, ops.device
+    qkv = randn(num_tokens + 5, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=4, device=device)  # 5 padding rows
+    angles = randn(num_tokens, head_dim // 2, dtype=torch.float32, seed=5, device=device)
     cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
-    k_cache = torch.zeros(40, 16, num_kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.zeros(40, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
-    slots = torch.randperm(40 * 16, generator=torch.Generator().manual_seed(6))[:num_tokens]
-    q_out = torch.zeros(num_tokens + 5, num_heads, head_dim, dtype=dtype)
-    k_out = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=dtype)
-    decoder_ops.rope_write_kv(q_out, k_out, k_cache, v_cache, qkv, cos, sin, slots)
+    slots = torch.randperm(40 * 16, generator=torch.Generator().manual_seed(6))[:num_tokens].to(device)
+    q_out = torch.zeros(num_tokens + 5, num_heads, head_dim, dtype=dtype, device=device)
+    k_out = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    ops.module.rope_write_kv(q_out, k_out, k_cache, v_cache, qkv, cos, sin, slots)
 
     q, k, v = qkv[:num_tokens].split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q_embed, k_embed = apply_rotary_pos_emb(q.view(1, num_tokens, num_heads, head_dim).transpose(1, 2),
@@ -80,19 +111,35 @@ def test_rope_write_kv_equals_apply_rotary_pos_emb_and_stores_k_v_at_their_slots
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     assert torch.equal(flat_k[slots], k_out)
     assert torch.equal(flat_v[slots], v.reshape(num_tokens, num_kv_heads, head_dim))
-    untouched = torch.ones(len(flat_k), dtype=torch.bool)
+    untouched = torch.ones(len(flat_k), dtype=torch.bool, device=device)
     untouched[slots] = False
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows", [2, 100])
-def test_silu_mul_equals_the_llama_mlp_activation(dtype, num_rows):
+def test_silu_mul_equals_the_llama_mlp_activation(ops, dtype, num_rows):
     width = 1536
-    gate_up = randn(num_rows, 2 * width, dtype=dtype, seed=7)
+    gate_up = randn(num_rows, 2 * width, dtype=dtype, seed=7, device=ops.device)
     gate_up[0, :8] = torch.tensor([-200.0, -88.0, -30.0, 0.0, 30.0, 89.0, 200.0, -0.0])  # exp's clamped range
-    out = torch.empty(num_rows, width, dtype=dtype)
-    decoder_ops.silu_mul(out, gate_up)
+    out = torch.empty(num_rows, width, dtype=dtype, device=ops.device)
+    ops.module.silu_mul(out, gate_up)
     gate, up = gate_up.split(width, -1)
     expected = ACT2FN["silu"](gate) * up
     assert_close(out, expected)
+
+
+def test_triton_ops_refuse_mixed_dtypes():
+    out = torch.empty(2, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        cuda_decoder_ops.silu_mul(out, torch.empty(2, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not HAS_TRITON or IS_INTERPRETER_RUN, reason="triton is not installed")
+def test_triton_ops_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", "triton-interpreter"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "14 passed" in result.stdout, result.stdout[-3000:]
