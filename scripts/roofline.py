@@ -215,11 +215,11 @@ def step_products(runner, num_tokens: int, num_logits: int) -> list[tuple]:
     config = model.config.get_text_config()
     rows, logit_rows = bucketed(num_tokens, fused.row_bucket), bucketed(num_logits, fused.row_bucket)
     widths = (config.hidden_size, fused.num_heads * fused.head_dim, config.hidden_size, config.intermediate_size)
-    inputs = {width: torch.randn(rows, width, dtype=dtype) for width in set(widths)}
+    inputs = {width: torch.randn(rows, width, device=device, dtype=dtype) for width in set(widths)}
     products = [(functools.partial(packed_linear, packed=packed), inputs[width]) for layer in fused.layers
                 for packed, width in zip((layer.qkv, layer.o, layer.gate_up, layer.down), widths)]
     return products + [(functools.partial(packed_linear, packed=fused.lm_head),
-                        torch.randn(logit_rows, config.hidden_size, dtype=dtype))]
+                        torch.randn(logit_rows, config.hidden_size, device=device, dtype=dtype))]
 
 
 def placed_runner(model, tokenizer, batch: int, context: int, num_new: int, **engine_options):
