@@ -46,6 +46,7 @@ from bench_models import load_bench_model, lowest_plain_token_id  # noqa: E402
 from bench_systems import PEERS, SYSTEM_NAMES, Peer, available_peers, make_systems  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
 
+from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.models import local_folder  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -375,8 +376,14 @@ def add_system_args(parser: argparse.ArgumentParser, padded_batch_sizes: str) ->
     parser.add_argument("--model", default=None, help="default model, a path, random-smollm2 or random-tiny")
     parser.add_argument("--padded-batch-sizes", default=padded_batch_sizes, type=int_tuple,
                         help="batch sizes of hf-generate-padded (the best one counts)")
-    parser.add_argument("--max-batch-tokens", type=int, default=2048,
-                        help="tokens per step of batchgen (its max_num_batched_tokens) and of generate_batch")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="tokens per step of batchgen (its max_num_batched_tokens), of generate_batch and of the "
+                             "peers (default: batchgen's for the device, 2048 on a CPU, 8192 on CUDA)")
+
+
+def step_tokens(args: argparse.Namespace) -> int:
+    """The systems' token budget a step: --max-batch-tokens, else batchgen's default for the device."""
+    return EngineConfig(max_num_batched_tokens=args.max_batch_tokens).batched_tokens(args.device)
 
 
 def int_tuple(text: str) -> tuple[int, ...]:
@@ -395,14 +402,14 @@ def load_systems(args: argparse.Namespace) -> tuple[list, object, object]:
     if any(s.startswith("batchgen") for s in args.systems):
         hf_model = load_bench_model(args.model, args.device, args.dtype)[0]
     systems = make_systems(args.systems, hf_model, model, tokenizer, KV_CACHE_BYTES[args.size], BLOCK_SIZE,
-                           args.max_batch_tokens, args.padded_batch_sizes)
+                           step_tokens(args), args.padded_batch_sizes)
     return systems, model, tokenizer
 
 
 def peer_systems(args: argparse.Namespace) -> list[Peer]:
     """The peers whose virtualenvs exist, each started on the benchmark's model (the same weights, from its folder)."""
     folder = str(local_folder(args.model)[1])
-    return [Peer(name, folder, args.dtype, KV_CACHE_BYTES[args.size], args.max_batch_tokens)
+    return [Peer(name, folder, args.dtype, KV_CACHE_BYTES[args.size], step_tokens(args))
             for name in available_peers()]
 
 
@@ -428,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def save_report(args: argparse.Namespace, device: torch.device, kv_cache_bytes: int, rows: list[dict]) -> dict:
     report = {"machine": machine_info(device), "args": vars(args), "kv_cache_bytes": kv_cache_bytes,
-              "block_size": BLOCK_SIZE, "rows": rows, "ratios": speed_ratios(rows), "load_ratios": load_ratios(rows)}
+              "block_size": BLOCK_SIZE, "step_tokens": step_tokens(args), "rows": rows, "ratios": speed_ratios(rows), "load_ratios": load_ratios(rows)}
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     return report
 

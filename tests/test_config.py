@@ -52,7 +52,7 @@ def test_good_job_loads_with_defaults_and_relative_paths(job_dir, tmp_path_facto
     config = load_job(write_job(job_dir, GOOD_JOB))
     assert config.model is None
     assert config.engine.block_size == 8 and config.engine.dtype == "auto"
-    assert config.engine.max_num_batched_tokens == 2048
+    assert config.engine.max_num_batched_tokens is None and config.engine.batched_tokens("cpu") == 2048
     assert config.input.path == job_dir / "data" / "prompts.jsonl"
     assert config.input.format == "jsonl"
     assert config.input.prompt_column == "question" and config.input.carry_columns == []

@@ -52,7 +52,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, config)
         num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.batched_tokens(self.runner.device.type))
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = min(max_context_len(text_config), num_blocks * config.block_size)

@@ -8,6 +8,7 @@ import yaml
 
 from batchgen import LLM
 from batchgen.config import JobConfigError, load_job
+from batchgen.engine.config import EngineConfig
 from tests.conftest import tiny_model, tiny_tokenizer
 
 REFUSED = [
@@ -51,3 +52,10 @@ def test_job_file_and_llm_accept_the_same_values_alike(tmp_path, options):
     from_job = load_job(write_job(tmp_path, options)).engine
     llm = LLM(tiny_model(), tokenizer=tiny_tokenizer(), **options)
     assert llm.config == from_job
+
+
+def test_a_null_token_budget_is_the_devices_default_and_a_number_is_kept():
+    assert EngineConfig().batched_tokens("cpu") == 2048 and EngineConfig().batched_tokens("cuda") == 8192
+    assert EngineConfig(max_num_batched_tokens=100).batched_tokens("cuda") == 100
+    llm = LLM(tiny_model(), tokenizer=tiny_tokenizer(), kv_cache_memory=2**20, max_num_batched_tokens=None)
+    assert llm.engine.scheduler.max_num_batched_tokens == 2048
