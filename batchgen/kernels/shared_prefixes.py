@@ -35,8 +35,12 @@ def shared_block_runs(block_tables: list[list[int]], max_shared_blocks: list[int
 
 
 def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading entries (at most `limit`) `a` and `b` share. Members of a group share the
+    whole limit after the first comparison: one slice comparison then decides it."""
+    if a[:limit] == b[:limit]:
+        return limit
     length = 0
-    while length < limit and a[length] == b[length]:
+    while a[length] == b[length]:  # a mismatch lies before `limit`
         length += 1
     return length
 
