@@ -16,8 +16,9 @@ Invariants:
 - `FusedDecoder.build(model)` returns None unless the model is a `llama`, `mistral` or `qwen2`
   model with a SiLU MLP whose device has the fused ops: on a CPU in float32 or bfloat16 with
   the C ops built here, on CUDA in float32, bfloat16 or float16 with Triton; the engine then
-  runs transformers' forward. It copies the weights it merges (the model is untouched; later
-  changes to its weights are not seen).
+  runs transformers' forward. It copies the weights it merges or packs (the model is untouched;
+  later changes to those weights are not seen); on CUDA the o, down and output projections are
+  the model's own tensors.
 - A step reads no host value of a device tensor: on CUDA it can be captured in a graph.
 - Rows are padded to `cpu_linear.bucketed` rows for every product (a multiple of 32 where a
   weight runs on oneDNN, which keeps state per input shape; none on the bf16 kernel); padding
@@ -135,13 +136,14 @@ class FusedDecoder:
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         metadata = step.metadata
         tail = None if logit_indices is None else output_tail(metadata, logit_indices)
-        kept_rows = slice(num_tokens) if logit_indices is None else torch.tensor(logit_indices, device=input_ids.device)
+        kept_rows = slice(num_tokens)
+        if logit_indices is not None and tail is None:
+            kept_rows = torch.tensor(logit_indices, dtype=torch.long, device=input_ids.device)
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             k_cache, v_cache = step.k_caches[index], step.v_caches[index]
             qkv = packed_linear(rows.normed, layer.qkv)
             with profiler_span(ATTENTION_SPAN):
-                ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos[0], sin[0],
-                                          metadata.slot_mapping)
+                ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos[0], sin[0], metadata.slot_mapping)
                 values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
                 if index == len(self.layers) - 1 and tail is not None:
                     metadata, kept_rows = tail.metadata, tail.logit_indices

@@ -15,7 +15,9 @@ Invariants:
   dtype: float32, bfloat16 or float16. Each function computes in float32 and rounds to the dtype
   exactly where transformers' layers round (after the residual add, after the normalisation
   before the weight, after each rotary product, after SiLU), so a float32 step equals
-  transformers' up to the order of the RMSNorm sum.
+  transformers' up to the order of the RMSNorm sum and the last bits of SiLU's exponential
+  (Triton's fast `exp`; divisions and the square root are correctly rounded, `div_rn`,
+  `sqrt_rn`). NaN stays NaN through every rounding.
 - No multiply-add is contracted into a fused one (``enable_fp_fusion=False``): float32 products
   and sums round as transformers' separate tensor ops do.
 - A call reads no host value of a device tensor: every op can be captured in a CUDA graph.
@@ -47,12 +49,13 @@ if triton is not None:
     @triton.jit
     def _rounded(x, like_ptr):
         """float32 `x` rounded to `like_ptr`'s element type (to nearest, ties to even), as float32.
-        bfloat16 rounds by its bits: Triton's interpreter truncates a float32 -> bfloat16 cast."""
+        bfloat16 rounds by its bits (Triton's interpreter truncates a float32 -> bfloat16 cast);
+        a NaN, whose bits the rounding could carry into the sign, is kept as it is."""
         dtype = like_ptr.dtype.element_ty
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
+            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
         elif dtype == tl.float16:
             return x.to(tl.float16).to(tl.float32)
         else:
@@ -70,7 +73,7 @@ if triton is not None:
             x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
             residual = _rounded(residual + x, residual_ptr)
             tl.store(residual_ptr + row * hidden + cols, residual.to(dtype), mask=mask)
-        inverse = 1.0 / tl.sqrt_rn(tl.sum(residual * residual, axis=0) / hidden + eps)
+        inverse = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(residual * residual, axis=0), hidden * 1.0) + eps))
         normed = _rounded(residual * inverse, residual_ptr)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * hidden + cols, _rounded(weight * normed, out_ptr).to(dtype), mask=mask)
@@ -128,16 +131,18 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
-        activated = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr)
+        activated = _rounded(tl.div_rn(gate, 1.0 + tl.exp(-gate)), out_ptr)
         tl.store(out_ptr + row * width + cols, _rounded(activated * up, out_ptr).to(dtype), mask=mask)
 
 
-def _check(*tensors: torch.Tensor | None) -> None:
+def _check(*tensors: torch.Tensor | None, slots: torch.Tensor | None = None) -> None:
     present = [t for t in tensors if t is not None]
     dtype, device = present[0].dtype, present[0].device
     if dtype not in DTYPES or any(t.dtype != dtype or t.device != device or not t.is_contiguous() for t in present):
         raise ValueError("the fused ops take contiguous tensors of one dtype (float32, bfloat16 or float16) on "
                          f"one device, got {[(t.dtype, str(t.device), t.is_contiguous()) for t in present]}")
+    if slots is not None and (slots.dtype != torch.int64 or slots.device != device or not slots.is_contiguous()):
+        raise ValueError(f"slots must be a contiguous int64 tensor on {device}, got {slots.dtype} on {slots.device}")
 
 
 def add_rms_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
@@ -158,7 +163,7 @@ def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tenso
     """Rotary embeddings for the first ``len(slots)`` rows of a fused q|k|v projection: rotated
     q into ``q_out`` [T, H, D], rotated k into ``k_out`` [T, Hkv, D], and k, v stored at their
     slots of the pool ([num_blocks, block_size, Hkv, D]); ``cos``/``sin`` are [T, D]."""
-    _check(q_out, k_out, k_cache, v_cache, qkv, cos, sin)
+    _check(q_out, k_out, k_cache, v_cache, qkv, cos, sin, slots=slots)
     num_tokens = len(slots)
     _, num_heads, head_dim = q_out.shape
     num_kv_heads = k_cache.shape[2]
