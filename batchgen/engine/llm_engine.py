@@ -80,7 +80,7 @@ class LLMEngine:
         `logprob_start`: the first position to score; `scored_token_ids`: a scoring request's tokens
         (its prompt and one more): it is scored from `logprob_start` on and generates nothing."""
         self._requests[request_id] = _Request(prompt, prompt_token_ids, params.n)
-        generator = make_generator(params.seed, 0, self.runner.device) if params.seed is not None else None
+        generator = make_generator(params.seed, 0) if params.seed is not None else None
         matcher = self.constraints.matcher(params) if params.constraint is not None else None
         self.scheduler.add(Sequence(request_id, prompt_token_ids, params, arrival_time, 0, generator, block_hashes,
                                     matcher, logprob_start, scored_token_ids))
@@ -208,7 +208,7 @@ class LLMEngine:
         """The other samples of `seq`'s request, created when its prompt is computed."""
         children = []
         for index in range(seq.params.n - seq.num_forks_pending, seq.params.n):
-            generator = make_generator(seq.params.seed, index, self.runner.device) if seq.params.seed is not None else None
+            generator = make_generator(seq.params.seed, index) if seq.params.seed is not None else None
             child = seq.fork(index, generator)
             self.scheduler.fork(seq, child)
             children.append(child)

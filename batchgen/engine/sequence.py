@@ -18,9 +18,8 @@ Invariants:
 
 from __future__ import annotations
 
+import random
 from enum import Enum
-
-import torch
 
 from batchgen.engine.block_hash import BlockHash
 from batchgen.outputs import RequestMetrics
@@ -43,7 +42,7 @@ class Sequence:
         params: SamplingParams,
         arrival_time: float,
         sample_index: int = 0,
-        generator: torch.Generator | None = None,
+        generator: random.Random | None = None,
         block_hashes: list[BlockHash] | None = None,
         constraint=None,
         logprob_start: int | None = None,
@@ -115,7 +114,7 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def fork(self, sample_index: int, generator: torch.Generator | None) -> Sequence:
+    def fork(self, sample_index: int, generator: random.Random | None) -> Sequence:
         """A new sample of the same request with the same tokens and computed state.
 
         The caller gives it its own block table (shared blocks, copied partial block) or, when
