@@ -81,12 +81,11 @@ def fused_ops(device: torch.device):
     return None
 
 
-def is_supported(model) -> bool:
-    """A Llama-family model whose layers `FusedLayer` can read, on a device with fused ops for its dtype."""
+def is_supported(model, ops) -> bool:
+    """A Llama-family model whose layers `FusedLayer` can read, in a dtype its device's fused `ops` take."""
     config = model.config
-    ops = fused_ops(model.device)
     if (config.model_type not in SUPPORTED_MODEL_TYPES or ops is None or getattr(config, "hidden_act", None) != "silu"
-            or model.dtype not in (decoder_ops.DTYPE_CODES if ops is decoder_ops else cuda_decoder_ops.DTYPES)):
+            or model.dtype not in ops.DTYPES):
         return False
     attention = model.model.layers[0].self_attn
     has_bias = [p.bias is not None for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
@@ -96,9 +95,9 @@ def is_supported(model) -> bool:
 class FusedDecoder:
     """The model's forward over one packed step (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, ops):
         decoder = model.model
-        self.ops = fused_ops(model.device)
+        self.ops = ops
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
         self.layers = [FusedLayer.from_module(layer) for layer in decoder.layers]
@@ -117,8 +116,9 @@ class FusedDecoder:
     @classmethod
     def build(cls, model) -> FusedDecoder | None:
         """The fused step of `model`, or None where it does not apply."""
+        ops = fused_ops(model.device)
         try:
-            return cls(model) if is_supported(model) else None
+            return cls(model, ops) if is_supported(model, ops) else None
         except RuntimeError:  # oneDNN cannot pack this dtype on this CPU
             return None
 

@@ -16,6 +16,7 @@ import torch
 from batchgen.kernels.c_library import load_library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = tuple(DTYPE_CODES)  # the dtypes these ops take (as `cuda_decoder_ops.DTYPES`)
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "bg_add_rms_norm": [_POINTER] * 4 + [_INT, _INT, _FLOAT, _INT, _INT],

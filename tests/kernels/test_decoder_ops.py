@@ -35,14 +35,16 @@ class Ops(NamedTuple):
     device: str
 
 
-@pytest.fixture(params=[
-    pytest.param("c-native", marks=needs_c),
-    pytest.param("c-portable", marks=needs_c),
+TRITON_PARAMS = [
     pytest.param("triton-interpreter", marks=pytest.mark.skipif(
         not IS_INTERPRETER_RUN, reason="runs in test_triton_ops_under_the_interpreter's subprocess")),
     pytest.param("triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")]),
-])
+]
+
+
+@pytest.fixture(params=[pytest.param("c-native", marks=needs_c), pytest.param("c-portable", marks=needs_c),
+                        *TRITON_PARAMS])
 def ops(request, monkeypatch) -> Ops:
     """The ops under test: this CPU's C build (AVX-512 intrinsics where it has them), the portable
     loops that a CPU without AVX-512 runs, or the Triton kernels."""
@@ -139,12 +141,7 @@ def test_triton_ops_refuse_mixed_dtypes_and_other_slots():
         cuda_decoder_ops.rope_write_kv(q, k, cache, cache, qkv, angles, angles, torch.zeros(1, dtype=torch.int32))
 
 
-@pytest.fixture(params=[
-    pytest.param("triton-interpreter", marks=pytest.mark.skipif(
-        not IS_INTERPRETER_RUN, reason="runs in test_triton_ops_under_the_interpreter's subprocess")),
-    pytest.param("triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")]),
-])
+@pytest.fixture(params=TRITON_PARAMS)
 def triton_device(request) -> str:
     return "cuda" if request.param == "triton-cuda" else "cpu"
 
