@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from batchgen.config import JobConfig, JobConfigError, load_job
+from batchgen.job.config import JobConfig, JobConfigError, load_job
 from batchgen.io.writer import OutputError
-from batchgen.pipeline import check_engine, job_generator, open_input, plan_job, run_job
+from batchgen.job.run import check_engine, job_generator, open_input, plan_job, run_job
 
 JOB_ERROR_EXIT_CODE = 101
 USAGE_ERROR_EXIT_CODE = 102

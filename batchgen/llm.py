@@ -16,16 +16,16 @@ from collections.abc import Iterable, Iterator, Sequence, Sized
 import torch
 from tqdm.auto import tqdm
 
-from batchgen.config_values import options_of
+from batchgen.options import options_of
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
-from batchgen.gc_pacing import paced_collection
+from batchgen.engine.gc_pacing import paced_collection
 from batchgen.models import load_model
 from batchgen.outputs import RequestOutput, ScoreOutput
-from batchgen.plan import Plan, PlanLimits, PlannedRequest, PromptError, build_plan, build_score_plan
+from batchgen.plan.requests import Plan, PlanLimits, PlannedRequest, PromptError, build_plan, build_score_plan
 from batchgen.sampling_params import SamplingParams
-from batchgen.scoring import encode_text, prefix_token_id, rolling_windows
+from batchgen.plan.scoring import encode_text, prefix_token_id, rolling_windows
 
 
 DEFAULT_WINDOW = 16384  # prompts planned at once by iter_generate, and the watermark of waiting requests
@@ -115,7 +115,7 @@ class LLM:
 
     def score(self, pairs: Sequence[tuple], use_tqdm: bool = True) -> list[ScoreOutput]:
         """The log-likelihood of each (context, continuation) pair, in input order (lm-eval's
-        `loglikelihood`; see `batchgen.scoring`). Pairs sharing a context, or part of one, compute
+        `loglikelihood`; see `batchgen.plan.scoring`). Pairs sharing a context, or part of one, compute
         it once; a bad pair gets an output with `error` set, the rest are scored."""
         return sorted(self.iter_score(pairs, use_tqdm=use_tqdm), key=lambda output: output.request_id)
 

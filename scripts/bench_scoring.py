@@ -31,7 +31,7 @@ from bench import machine_info  # noqa: E402
 
 import batchgen.integrations.lm_eval as batchgen_lm_eval  # noqa: E402
 from batchgen.models import load_model  # noqa: E402
-from batchgen.scoring import encode_pair  # noqa: E402
+from batchgen.plan.scoring import encode_pair  # noqa: E402
 
 TASK = """\
 task: local_mc

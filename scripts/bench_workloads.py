@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from batchgen.engine.radix_tree import RadixTree
+from batchgen.plan.radix_tree import RadixTree
 
 WORKLOAD_NAMES = ("shared-system", "few-shot", "n-samples", "no-sharing", "long-in", "long-out", "scattered-groups")
 SEED = 1234

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from batchgen import LLM, SamplingParams
 from batchgen.cli import main
 from batchgen.io.manifest import MANIFEST_NAME
-from tests.test_pipeline import ENGINE, PLAIN_RECORDS, line_of, save_tiny_model, words, write_job, write_jsonl
+from tests.job.test_run import ENGINE, PLAIN_RECORDS, line_of, save_tiny_model, words, write_job, write_jsonl
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 

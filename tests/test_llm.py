@@ -11,8 +11,8 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.model_runner import BLOCKS_WRITTEN_AHEAD
-from batchgen.engine.radix_tree import RadixTree
-from batchgen.gc_pacing import RUN_GC_THRESHOLD
+from batchgen.plan.radix_tree import RadixTree
+from batchgen.engine.gc_pacing import RUN_GC_THRESHOLD
 from tests.conftest import TINY_VOCAB, hf_greedy, mixed_workload, tiny_model, tiny_tokenizer
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head_dim 16, fp32

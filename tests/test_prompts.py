@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchgen.prompts import encode_prompt
-from tests.test_pipeline import word_tokenizer
+from tests.job.test_run import word_tokenizer
 
 TOKENIZER = word_tokenizer()
 
@@ -73,7 +73,7 @@ def test_batched_texts_bypass_the_wrapper_only_when_the_backend_neither_truncate
 
 
 def test_the_planner_refuses_ids_outside_the_models_vocabulary_from_the_caller_or_a_larger_tokenizer():
-    from batchgen.plan import PlanLimits, plan_requests
+    from batchgen.plan.requests import PlanLimits, plan_requests
     from batchgen.sampling_params import SamplingParams
 
     params = SamplingParams()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.scoring import encode_pair, rolling_windows
+from batchgen.plan.scoring import encode_pair, rolling_windows
 from tests.conftest import tiny_model, tiny_tokenizer
-from tests.test_pipeline import word_tokenizer
+from tests.job.test_run import word_tokenizer
 
 BLOCK_SIZE = 16
 

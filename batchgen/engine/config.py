@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchgen.config_values import byte_size, check_options, device_name, int_at_least, one_of, option, or_null, true_or_false
+from batchgen.options import byte_size, check_options, device_name, int_at_least, one_of, option, or_null, true_or_false
 from batchgen.models import DTYPE_NAMES
 
 ATTENTION_BACKENDS = ("auto", "native", "reference")

@@ -10,7 +10,7 @@ Model args follow lm-eval's conventions: `pretrained` (None: the default model),
 packs every request of a call into its own batches), and any batchgen engine option
 (`kv_cache_memory=2GiB`, ...).
 
-Invariants (lm-eval's `HFLM` contract): pairs are split and encoded as `batchgen.scoring` does;
+Invariants (lm-eval's `HFLM` contract): pairs are split and encoded as `batchgen.plan.scoring` does;
 a pair longer than the model's context keeps its last `max_length + 1` tokens (the context is
 cut from the left); `generate_until` encodes the context without special tokens, stops at
 `until` strings, greedy unless `do_sample`.
@@ -27,7 +27,7 @@ from lm_eval.utils import simple_parse_args_string
 
 from batchgen.llm import LLM
 from batchgen.sampling_params import SamplingParams
-from batchgen.scoring import encode_pair, encode_text
+from batchgen.plan.scoring import encode_pair, encode_text
 
 DEFAULT_MAX_GEN_TOKS = 256
 

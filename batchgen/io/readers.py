@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.config_values import template_columns
+from batchgen.options import template_columns
 from batchgen.io.overrides import read_overrides
 from batchgen.prompts import BadRowError, apply_template, prompt_from_cell, shape_prompt
 

@@ -42,8 +42,8 @@ def is_valid(text: str, constraint: dict) -> bool:
 def test_every_complete_constrained_output_is_valid_in_one_mixed_job(tmp_path, temperature):
     import pyarrow.parquet as pq
 
-    from batchgen.config import load_job
-    from batchgen.pipeline import run_job
+    from batchgen.job.config import load_job
+    from batchgen.job.run import run_job
 
     requests = mixed_requests(200, 50, 50) + [(chat(f"Say something about {i}."), {}) for i in range(10)]
     records = [{"prompt": prompt[0]["content"], "schema": json.dumps(c["json_schema"]) if "json_schema" in c else None,

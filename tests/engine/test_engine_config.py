@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from batchgen import LLM
-from batchgen.config import JobConfigError, load_job
+from batchgen.job.config import JobConfigError, load_job
 from batchgen.engine.config import EngineConfig
 from tests.conftest import tiny_model, tiny_tokenizer
 

@@ -12,7 +12,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 import batchgen.integrations.lm_eval  # noqa: E402,F401 (registers "batchgen")
 from batchgen.cli import main  # noqa: E402
-from tests.test_pipeline import save_tiny_model, words  # noqa: E402
+from tests.job.test_run import save_tiny_model, words  # noqa: E402
 
 MC_TASK = """\
 task: tiny_mc

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from batchgen.config_values import (
+from batchgen.options import (
     OptionError,
     check_options,
     column_names,

@@ -38,8 +38,8 @@ import torch
 from tqdm.auto import tqdm
 
 from batchgen import models
-from batchgen.config import JobConfig
-from batchgen.engine.radix_tree import PrefixGroup
+from batchgen.job.config import JobConfig
+from batchgen.plan.radix_tree import PrefixGroup
 from batchgen.engine.stats import EngineStats
 from batchgen.io.fingerprint import file_digest, fingerprint_job
 from batchgen.io.output_table import (OutputLayout, output_rows, output_schema, sampling_layout, score_schema,
@@ -48,12 +48,12 @@ from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
 from batchgen.io.row_set import RowSet
 from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter, version_metadata
-from batchgen.job_plan import JobPlan, plan_job_rows, split_rows
+from batchgen.job.plan_pass import JobPlan, plan_job_rows, split_rows
 from batchgen.llm import LLM
 from batchgen.outputs import FinishReason, RequestOutput
-from batchgen.plan import PlanLimits, build_score_plan
-from batchgen.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
-from batchgen.score_job import pair_error, run_scoring, score_pairs, write_failed_row
+from batchgen.plan.requests import PlanLimits, build_score_plan
+from batchgen.job.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
+from batchgen.job.score import pair_error, run_scoring, score_pairs, write_failed_row
 
 MAX_PREFIX_GROUPS = 5
 MAX_ORDER_IDS = 10
@@ -156,7 +156,7 @@ def plan_report(config: JobConfig, plan: JobPlan, tokenizer, num_rows: int, erro
     order_ids = [row_id(int(position)) for position in plan.order[:MAX_ORDER_IDS]]
     report = _report(config, plan.stats, plan.tree.block_size, num_rows, errors, groups, order_ids)
     if config.executor == "ray" and len(plan.order):
-        from batchgen.ray_job import partition_reports, random_prefill_tokens  # needs no Ray
+        from batchgen.job.ray import partition_reports, random_prefill_tokens  # needs no Ray
 
         report.partitions = partition_reports(plan, config)
         report.num_tokens_to_prefill_random = random_prefill_tokens(plan, len(report.partitions))
@@ -286,7 +286,7 @@ def job_generator(config: JobConfig) -> Callable[..., EngineStats]:
     once Ray is known to be installed: the job is refused before any work otherwise)."""
     if config.executor != "ray":
         return generate
-    from batchgen.ray_job import generate_on_ray, import_ray  # Ray is an optional extra
+    from batchgen.job.ray import generate_on_ray, import_ray  # Ray is an optional extra
 
     import_ray(config)
     return generate_on_ray

@@ -15,9 +15,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from batchgen import LLM, SamplingParams
-from batchgen.config import JobConfigError, load_job
+from batchgen.job.config import JobConfigError, load_job
 from batchgen.io.manifest import MANIFEST_NAME
-from batchgen.pipeline import plan_job, run_job
+from batchgen.job.run import plan_job, run_job
 from tests.conftest import TINY_VOCAB, tiny_model
 
 SPECIAL_WORDS = ["<bos>", "<eos>", "<unk>", "<turn>", "<system>", "<user>", "<assistant>"]

@@ -23,7 +23,7 @@ import heapq
 
 import numpy as np
 
-from batchgen.engine.radix_tree import RadixTree
+from batchgen.plan.radix_tree import RadixTree
 
 
 def request_costs(tree: RadixTree, num_generated_tokens: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""executor: ray and batchgen.ray on a local 2-worker Ray cluster: every row exactly once, outputs
+"""executor: ray and batchgen.integrations.ray_data on a local 2-worker Ray cluster: every row exactly once, outputs
 equal to one process, prefix groups kept together, a killed worker and a killed driver survived."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.config import JobConfigError, load_job
+from batchgen.job.config import JobConfigError, load_job
 from batchgen.io.manifest import MANIFEST_NAME
-from batchgen.pipeline import run_job
-from tests.test_pipeline import ENGINE, save_tiny_model
+from batchgen.job.run import run_job
+from tests.job.test_run import ENGINE, save_tiny_model
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
@@ -94,8 +94,8 @@ def local_output(tmp_path_factory, model_dir, input_path) -> pa.Table:
 
 def random_placement_computed_tokens(model_dir: Path, input_path: Path) -> int:
     """Prompt tokens computed when Ray Data places the rows in blocks blind to prefixes (the
-    input order, shuffled, in 2 blocks) and batchgen.ray.Generate runs each block."""
-    from batchgen.ray import Generate
+    input order, shuffled, in 2 blocks) and batchgen.integrations.ray_data.Generate runs each block."""
+    from batchgen.integrations.ray_data import Generate
 
     rows = [json.loads(line) for line in input_path.read_text().splitlines()]
     ray.data.DataContext.get_current().wait_for_min_actors_s = 600  # both workers up: one block each
@@ -186,7 +186,7 @@ def test_the_driver_killed_mid_job_resumes_and_writes_every_row_once(cluster, tm
 
 def test_prefix_group_keys_gather_rows_that_share_leading_blocks_and_generate_keeps_the_columns(
         cluster, model_dir, input_path, local_output):
-    from batchgen.ray import Generate, add_prefix_group_key
+    from batchgen.integrations.ray_data import Generate, add_prefix_group_key
 
     rows = [json.loads(line) for line in input_path.read_text().splitlines()]
     keyed = add_prefix_group_key(ray.data.from_items(rows), model=str(model_dir), num_blocks=8, block_size=4)
@@ -207,7 +207,7 @@ def test_prefix_group_keys_gather_rows_that_share_leading_blocks_and_generate_ke
 
 
 def test_a_bad_params_cell_becomes_an_error_row(model_dir):
-    from batchgen.ray import Generate
+    from batchgen.integrations.ray_data import Generate
 
     generate = Generate(str(model_dir), {"max_tokens": 2, "temperature": 0}, ENGINE, params_column="params")
     table = generate(pa.table({"prompt": ["w10 w11", "w12", ""], "params": [None, '{"max_tokens": -1}', None]}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.config_values import (
+from batchgen.options import (
     byte_size,
     column_names,
     device_name,

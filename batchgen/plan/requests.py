@@ -23,10 +23,10 @@ from typing import Any
 
 from batchgen.engine import constraints
 from batchgen.engine.block_hash import BlockHash, hash_blocks
-from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
+from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.outputs import RequestOutput
 from batchgen.prompts import encode_batch, encode_prompt, is_messages
-from batchgen.scoring import encode_pair
+from batchgen.plan.scoring import encode_pair
 from batchgen.sampling_params import SamplingParams
 
 
@@ -137,7 +137,7 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
 
 def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], limits: PlanLimits) -> Plan:
     """The plan of `(request_id, (context, continuation))` scoring requests: each pair is split
-    and encoded as `batchgen.scoring` says; a malformed pair is an error of the plan."""
+    and encoded as `batchgen.plan.scoring` says; a malformed pair is an error of the plan."""
     requests, scores, errors = [], {}, []
     params = SamplingParams(max_tokens=1)
     for request_id, pair in pairs:

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from batchgen import LLM
 from batchgen.cli import main
-from batchgen.config import JobConfigError, load_job
-from batchgen.pipeline import plan_job, run_job
-from tests.test_pipeline import ENGINE, save_tiny_model, words, write_jsonl
+from batchgen.job.config import JobConfigError, load_job
+from batchgen.job.run import plan_job, run_job
+from tests.job.test_run import ENGINE, save_tiny_model, words, write_jsonl
 
 CONTEXT = words(*range(10, 40))  # shared by every question: longer than several blocks
 RECORDS = [{"id": f"q{i}", "context": f"{CONTEXT} {words(100 + i, 101 + i)}",

@@ -1,7 +1,7 @@
 """batchgen in a Ray Data pipeline: one engine per actor, and a prefix-group key for a dataset.
 
     import ray
-    from batchgen.ray import Generate, add_prefix_group_key
+    from batchgen.integrations.ray_data import Generate, add_prefix_group_key
 
     ds = add_prefix_group_key(ray.data.read_parquet("prompts.parquet"))
     ds = ds.groupby("prefix_group").map_groups(

@@ -3,7 +3,7 @@
 This process (the driver) reads and plans every row as a local job does (`job_plan`), splits the
 plan into prefix-aware partitions (`partitions`: a prefix group stays on one worker unless it is
 larger than one worker's share) and hands each partition to Ray Data as one block.
-`map_batches` runs `batchgen.ray.Generate` on ``ray.num_workers`` actors: Ray places them,
+`map_batches` runs `batchgen.integrations.ray_data.Generate` on ``ray.num_workers`` actors: Ray places them,
 restarts one that dies and retries its block. The driver commits each partition's output rows
 as one shard as the blocks come back.
 
@@ -33,17 +33,17 @@ import pyarrow.compute as pc
 import xxhash
 from tqdm.auto import tqdm
 
-from batchgen.config import JobConfig
+from batchgen.job.config import JobConfig
 from batchgen.engine.stats import EngineStats
 from batchgen.io.output_table import ROW_INDEX, OutputLayout
 from batchgen.io.readers import InputRow
 from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter
-from batchgen.job_plan import JobPlan, plan_job_rows
+from batchgen.job.plan_pass import JobPlan, plan_job_rows
 from batchgen.outputs import FinishReason
-from batchgen.partitions import partition, partition_orders, random_parts, request_costs
-from batchgen.pipeline import failed_row_writer, output_layout, tokenizer_and_limits
-from batchgen.reports import PartitionReport
+from batchgen.plan.partitions import partition, partition_orders, random_parts, request_costs
+from batchgen.job.run import failed_row_writer, output_layout, tokenizer_and_limits
+from batchgen.job.reports import PartitionReport
 
 WORKER_START_TIMEOUT_S = 600  # Ray Data's error, not a hang, when the cluster cannot place the workers
 INSTALL_HINT = "executor: ray needs Ray Data: pip install 'batchgen[ray]'"
@@ -173,13 +173,13 @@ def _partition_block(plan: JobPlan, order: np.ndarray, fingerprint: str, schema:
 
 
 def _generated(dataset: Any, config: JobConfig, layout: OutputLayout) -> Iterator[pa.Table]:
-    """The output blocks of `batchgen.ray.Generate` over `dataset`, one engine per worker (a
+    """The output blocks of `batchgen.integrations.ray_data.Generate` over `dataset`, one engine per worker (a
     block is one batch; a worker takes one block at a time, so blocks spread over the workers
     instead of queueing on the first one ready). Ray Data's actor pool restarts a worker that dies and retries its
     block (its defaults: ``max_restarts=-1``, ``max_task_retries=-1``)."""
     import ray.data
 
-    from batchgen.ray import Generate
+    from batchgen.integrations.ray_data import Generate
 
     workers = ray.data.ActorPoolStrategy(size=config.ray.num_workers, max_tasks_in_flight_per_actor=1)
     generated = dataset.map_batches(

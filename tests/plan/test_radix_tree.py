@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from batchgen.engine import radix_tree
-from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
+from batchgen.plan import radix_tree
+from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree
 
 
 def build(prompts: dict[int, list[int]], block_size: int = 16) -> RadixTree:

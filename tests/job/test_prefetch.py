@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from batchgen.prefetch import prefetched
+from batchgen.job.prefetch import prefetched
 
 
 def prefetch_threads() -> list[threading.Thread]:

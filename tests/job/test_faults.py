@@ -19,13 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchgen import models, pipeline
+from batchgen import models
+from batchgen.job import run as job_run
 from batchgen.cli import main
-from batchgen.config import load_job
+from batchgen.job.config import load_job
 from batchgen.io import commit as commit_module
 from batchgen.io.manifest import MANIFEST_NAME
-from batchgen.pipeline import run_job
-from tests.test_pipeline import save_tiny_model, words, write_job, write_jsonl
+from batchgen.job.run import run_job
+from tests.job.test_run import save_tiny_model, words, write_job, write_jsonl
 
 ROWS = [{"id": f"x{i}", "prompt": words(100 + i, 101 + i)} for i in range(12)]
 
@@ -40,7 +41,7 @@ def no_model_load(monkeypatch):
     """Fail the test if the job gets as far as loading a model."""
     def refuse(config):
         raise AssertionError("the model was loaded before the job was refused")
-    monkeypatch.setattr(pipeline, "load_llm", refuse)
+    monkeypatch.setattr(job_run, "load_llm", refuse)
 
 
 def invoke(*args):
@@ -120,8 +121,8 @@ def test_files_batchgen_did_not_write_are_never_replaced_or_deleted(tmp_path, mo
 def test_a_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, model_dir, no_model_load):
     job = job_file(tmp_path, model_dir)
     config = load_job(job)
-    table, schema = pipeline.open_input(config)
-    with pipeline.open_writer(config, schema):
+    table, schema = job_run.open_input(config)
+    with job_run.open_writer(config, schema):
         result = invoke("run", job)
     assert result.exit_code == 101
     assert f"another batchgen run (pid {os.getpid()}) is writing" in result.output
@@ -292,7 +293,7 @@ def test_default_model_aliases_are_the_default_model(tmp_path, model_dir):
                                  for line in job.read_text().splitlines()))
         config = load_job(job)
         assert config.model is None
-        descriptions.append(pipeline.job_description(config))
+        descriptions.append(job_run.job_description(config))
     assert descriptions[0] == descriptions[1] == descriptions[2]
 
 

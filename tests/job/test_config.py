@@ -8,7 +8,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from batchgen.config import JobConfigError, load_job, template_columns
+from batchgen.job.config import JobConfigError, load_job, template_columns
 from batchgen.sampling_params import SamplingParams
 
 PROMPT = "  prompt_column: question"
@@ -255,7 +255,7 @@ def test_executor_and_ray_options_are_checked_with_their_line(job_dir):
 
 
 def test_a_score_job_runs_locally_only():
-    score_job = Path(__file__).resolve().parent.parent / "jobs" / "score.yaml"
+    score_job = Path(__file__).resolve().parents[2] / "jobs" / "score.yaml"
     with pytest.raises(JobConfigError, match=r"command line: executor: executor: ray runs task: generate; "
                                              r"a score job runs on one machine \(executor: local\)"):
         load_job(score_job, {"executor": "ray"})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen.engine.radix_tree import RadixTree
-from batchgen.partitions import partition, partition_orders, random_parts, request_costs
+from batchgen.plan.radix_tree import RadixTree
+from batchgen.plan.partitions import partition, partition_orders, random_parts, request_costs
 
 BLOCK = 4
 PREFIX_TOKENS = 32  # 8 full blocks per group

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen.engine.radix_tree import PlanStats, PrefixGroup, RadixTree
+from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.io.readers import InputRow
 from batchgen.io.row_store import RowStore
-from batchgen.plan import PlanLimits, PlannedRequest, plan_requests
-from batchgen.prefetch import prefetched
+from batchgen.plan.requests import PlanLimits, PlannedRequest, plan_requests
+from batchgen.job.prefetch import prefetched
 from batchgen.prompts import encode_batch
 from batchgen.sampling_params import SamplingParams
 
