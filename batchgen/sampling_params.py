@@ -42,24 +42,46 @@ class SamplingParams:
     """
 
     n: int = 1
+    """Samples drawn per prompt (one output row each in a job, with `sample_index`)."""
     max_tokens: int = 16
+    """Most tokens generated per sample."""
     min_tokens: int = 0
+    """Tokens generated before EOS or a `stop_token_ids` entry may end a sample."""
     temperature: float = 1.0
+    """Divides the logits before sampling; 0 is greedy (the most likely token)."""
     top_k: int = 0
+    """Sample among the `top_k` most likely tokens; 0 (or -1) is off, 1 is greedy."""
     top_p: float = 1.0
+    """Sample among the fewest most likely tokens whose probabilities reach `top_p`; 1 is off."""
     min_p: float = 0.0
+    """Drop tokens less likely than `min_p` times the most likely one; 0 is off."""
     repetition_penalty: float = 1.0
+    """Hugging Face's penalty on tokens of the prompt and output (a positive logit is divided by it, any
+    other multiplied); 1 is off."""
     seed: int | None = None
+    """Seeds the sample's draws: sample `i` uses `seed + i`, and the same seed gives the same tokens
+    whatever else is in the batch; null draws from the engine's generator."""
     stop: list[str] = field(default_factory=list)
+    """Strings that end a sample; the text is cut before them."""
     stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample, besides the model's EOS."""
     ignore_eos: bool = False
+    """Generate past EOS, up to `max_tokens`."""
     skip_special_tokens: bool = True
+    """Leave special tokens out of the decoded text."""
     json_schema: dict | str | None = None
+    """Constrain the output to JSON valid for this schema (a dict or its JSON text). At most one of
+    `json_schema`, `regex`, `choice`, `grammar`."""
     regex: str | None = None
+    """Constrain the output to match this regular expression."""
     choice: list[str] | None = None
+    """Constrain the output to exactly one of these strings."""
     grammar: str | None = None
+    """Constrain the output to this Lark grammar (llguidance's dialect)."""
     logprobs: int | None = None
+    """Return each generated token's log-probability and the top `logprobs` alternatives; null: none."""
     prompt_logprobs: int | None = None
+    """The same for every prompt token but the first; the request then recomputes its own prompt."""
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, ">= 1", lambda v: v >= 1)

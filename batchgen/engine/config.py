@@ -30,17 +30,44 @@ class EngineConfig:
     """How the engine runs: model dtype and device, KV pool, batch limits, fast paths."""
 
     dtype: str = option("auto", one_of("auto", *DTYPE_NAMES))
+    """Weights, activations and K/V cache: `auto` is bfloat16 where the hardware has fast bf16 matrix
+    products (a CPU with AMX-BF16 or AVX512-BF16, a CUDA GPU of compute capability 8.0 or later),
+    else float32; or `float32`, `bfloat16`, `float16`."""
     device: str = option("auto", device_name)
+    """`auto` (CUDA when present, else the CPU), `cpu`, `cuda` or `cuda:N`."""
     block_size: int = option(16, int_at_least(1))
+    """Tokens per K/V block: the unit of the pool, of the block hashes and of prefix sharing (prompts
+    share whole blocks)."""
     kv_cache_memory: int | None = option(None, or_null(byte_size))
+    """Bytes for the K/V pool, a number or a size such as `"512MiB"` or `"2GiB"`; null: 2 GiB on a CPU,
+    85% of the free memory on CUDA (measured after a warm-up forward)."""
     kv_cache_prefault: bool = option(False, true_or_false)
+    """CPU: write the whole pool at start (as vLLM does), so no step waits on the OS for new pages;
+    false writes each block just before its first use, so a small job does not wait for a pool it
+    barely uses."""
     max_num_seqs: int = option(256, int_at_least(1))
+    """Most sequences running at once (a request, or each sample when `n` > 1): the largest decode
+    batch."""
     max_num_batched_tokens: int | None = option(None, or_null(int_at_least(1)))
+    """Most tokens in one step, decode tokens and prefill chunks together (longer prompts are prefilled
+    in chunks); null: 2048 on a CPU, 8192 on CUDA."""
     enable_prefix_caching: bool = option(True, true_or_false)
+    """Keep computed prompt blocks in the pool and serve any later prompt with the same prefix from
+    them; false computes every prompt token."""
     attention_backend: str = option("auto", one_of(*ATTENTION_BACKENDS))
+    """`auto` or `native`: the device's fastest attention kernels for the dtype (C on a CPU, AMX tiles
+    where present, Triton on CUDA); `reference`: plain torch over the paged pool, the test
+    oracle."""
     pack_linear_weights: bool = option(True, true_or_false)
+    """CPU, where the fused step does not run: the linear layers run through oneDNN (or batchgen's bf16
+    GEMM) on a packed copy of their weights; false keeps torch's own products."""
     fused_step: bool = option(True, true_or_false)
+    """Llama-family models (Llama, Mistral, Qwen2) on a CPU in float32 or bfloat16, and on CUDA with
+    Triton: batchgen's own forward over merged, packed copies of the weights (more memory); false
+    runs transformers' forward with batchgen's attention."""
     cuda_graphs: bool = option(True, true_or_false)
+    """CUDA with the Triton decode kernel: decode-only steps replay CUDA graphs, captured once per batch
+    and block-table size bucket; false runs every step eagerly."""
 
     def __post_init__(self) -> None:
         check_options(self)

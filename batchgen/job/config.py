@@ -63,17 +63,34 @@ class InputConfig:
     """Where the prompts come from and how a row becomes a prompt."""
 
     path: Path | None = option(None, or_null(non_empty_text))
+    """The input table: a `.parquet` or `.jsonl` file, or a folder of Parquet files or one written by
+    `datasets.save_to_disk`; relative to the job file's folder. Required unless `format: hf_hub`."""
     format: str = option("auto", one_of(*FORMATS))
+    """`auto` (from the path's suffix or the folder's contents), `parquet`, `jsonl`, `hf_disk`, or
+    `hf_hub` (a dataset named by `dataset`, from the local Hugging Face cache or the hub)."""
     dataset: str | None = option(None, or_null(non_empty_text))
+    """`format: hf_hub` only: the dataset's name, as `datasets.load_dataset` takes it."""
     split: str = option("train", non_empty_text)
+    """The split to read from a hub dataset, or from a `save_to_disk` folder that holds several."""
     prompt_column: str = option("prompt", non_empty_text)
+    """The column holding each row's prompt: text, or chat messages (a list of `{role, content}`)."""
     id_column: str | None = option(None, or_null(non_empty_text))
+    """A column whose values (as text) become the output's `id`; null: the row number."""
     system_prompt: str | None = option(None, or_null(non_empty_text))
+    """A system message before every prompt (a row whose messages start with their own keeps theirs);
+    without the chat template, text put before the prompt and a blank line."""
     prompt_template: str | None = option(None, or_null(format_template))
+    """Builds each prompt's text, e.g. `"Question: {prompt}\\nAnswer:"`: `{prompt}` is the prompt column,
+    any other `{name}` a column of the row."""
     apply_chat_template: bool = option(True, true_or_false)
+    """Render each prompt through the model's chat template (text becomes one user message); false feeds
+    text as it is."""
     carry_columns: list[str] = option([], column_names)
+    """Input columns copied unchanged into each output row."""
     continuation_column: str | None = option(None, or_null(non_empty_text))  # task: score
+    """`task: score`: the column holding each row's continuation, scored after the prompt."""
     choices_column: str | None = option(None, or_null(non_empty_text))  # task: score
+    """`task: score`: the column holding each row's list of choices, each scored after the prompt."""
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -92,8 +109,14 @@ class OutputConfig:
     """Where answers go: a ``.parquet`` file (single file, input order) or a folder of shards."""
 
     path: Path | None = option(None, or_null(non_empty_text))
+    """A `.parquet` file (rows in input order; its shards kept in `<path>.shards/` beside it) or a
+    folder (a Parquet dataset of shards, rows in completion order: sort by `row_index` for input
+    order); relative to the job file's folder."""
     shard_size: int = option(256, int_at_least(1))
+    """Rows per committed shard: the most a killed run can lose."""
     mode: str = option("resume", one_of("resume", "overwrite"))
+    """`resume`: skip the rows an earlier run of the same job committed (a changed job is refused);
+    `overwrite`: start again, replacing what batchgen wrote there."""
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -104,10 +127,16 @@ class RayConfig:
     """Where and how wide ``executor: ray`` runs: one engine per worker (a Ray actor)."""
 
     address: str | None = option(None, or_null(non_empty_text))  # null: start a local Ray instance
+    """null: start a local Ray instance; `auto`: the cluster this machine belongs to;
+    `ray://head:10001`: a cluster through Ray Client."""
     num_workers: int = option(2, int_at_least(1))
+    """batchgen engines, one per Ray actor."""
     num_cpus_per_worker: float = option(1.0, number_at_least(0))
+    """CPUs Ray reserves for each worker."""
     num_gpus_per_worker: float = option(0.0, number_at_least(0))
+    """GPUs Ray reserves for each worker (1: an engine per GPU)."""
     max_rows_per_partition: int = option(50_000, int_at_least(1))  # a partition is one Ray task's input
+    """Most rows in one partition (one Ray task): what a worker holds at once."""
 
     def __post_init__(self) -> None:
         check_options(self)
