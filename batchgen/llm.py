@@ -23,7 +23,8 @@ from batchgen.engine.stats import EngineStats
 from batchgen.engine.gc_pacing import paced_collection
 from batchgen.models import load_model
 from batchgen.outputs import RequestOutput, ScoreOutput
-from batchgen.plan.requests import Plan, PlanLimits, PlannedRequest, PromptError, build_plan, build_score_plan
+from batchgen.engine.request import Request
+from batchgen.plan.requests import Plan, PlanLimits, PromptError, build_plan, build_score_plan
 from batchgen.sampling_params import SamplingParams
 from batchgen.plan.scoring import encode_text, prefix_token_id, rolling_windows
 
@@ -105,7 +106,7 @@ class LLM:
         numbered = _numbered(prompts, sampling_params)
         total = len(prompts) if isinstance(prompts, Sized) and not _is_single_prompt(prompts) else None
 
-        def planned() -> Iterator[PlannedRequest | PromptError]:
+        def planned() -> Iterator[Request | PromptError]:
             while chunk := list(itertools.islice(numbered, window)):
                 plan = self._build_plan(chunk)
                 yield from plan.errors
@@ -154,7 +155,7 @@ class LLM:
         errors are the caller's)."""
         yield from self.run_requests(plan.requests, len(plan.requests), use_tqdm)
 
-    def run_requests(self, items: Iterable[PlannedRequest | PromptError], total: int | None = None,
+    def run_requests(self, items: Iterable[Request | PromptError], total: int | None = None,
                      use_tqdm: bool = True, watermark: int = DEFAULT_WINDOW,
                      desc: str = "requests") -> Iterator[RequestOutput]:
         """Step the engine until every item is done, yielding outputs as requests finish. Items are
@@ -166,7 +167,7 @@ class LLM:
         with paced_collection():
             yield from self._run(iter(items), total, use_tqdm, watermark, desc)
 
-    def _run(self, items: Iterator[PlannedRequest | PromptError], total: int | None, use_tqdm: bool,
+    def _run(self, items: Iterator[Request | PromptError], total: int | None, use_tqdm: bool,
              watermark: int, desc: str) -> Iterator[RequestOutput]:
         before = dataclasses.replace(self.stats)
         start_time = time.time()
@@ -183,7 +184,7 @@ class LLM:
                         bar.update(1)
                         yield item.output()
                     else:
-                        self._add(item)
+                        engine.add_request(item)
                 if not engine.has_unfinished():
                     return
                 finished = engine.step()
@@ -191,12 +192,6 @@ class LLM:
                     bar.update(len(finished))
                     bar.set_postfix_str(progress_text(self.stats.since(before), time.time() - start_time))
                 yield from finished
-
-    def _add(self, request: PlannedRequest) -> None:
-        self.engine.add_request(request.request_id, request.prompt, request.token_ids, request.params,
-                                request.arrival_time,
-                                request.block_hashes, request.logprob_start, request.scored_token_ids)
-
 
 def progress_text(stats: EngineStats, elapsed_s: float) -> str:
     """Output tokens/s and the share of prompt tokens served from the prefix cache."""

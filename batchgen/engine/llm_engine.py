@@ -17,12 +17,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from batchgen.engine.block_hash import BlockHash
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Constraints
 from batchgen.engine.logprobs import token_logprobs
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.request import Request
 from batchgen.engine.other_load import OtherLoad
 from batchgen.engine.sampler import SamplingRow, TokenMasks, make_generator, sample
 from batchgen.engine.scheduler import Scheduler
@@ -73,19 +73,16 @@ class LLMEngine:
             self._constraints = Constraints(self.tokenizer, self.vocab_size, self.stop_checker.eos_token_ids)
         return self._constraints
 
-    def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float, block_hashes: list[BlockHash],
-                    logprob_start: int | None = None, scored_token_ids: list[int] | None = None) -> None:
-        """Queue a planned request; `block_hashes` is its prompt's chain from the plan.
-        `logprob_start`: the first position to score; `scored_token_ids`: a scoring request's tokens
-        (its prompt and one more): it is scored from `logprob_start` on and generates nothing."""
-        self._requests[request_id] = _Request(prompt, prompt_token_ids, params.n)
+    def add_request(self, request: Request) -> None:
+        """Queue a planned request (see `Request`): it yields one `RequestOutput` from `step()`."""
+        params = request.params
+        self._requests[request.request_id] = _Request(request.prompt, request.token_ids, params.n)
         generator = make_generator(params.seed, 0) if params.seed is not None else None
         matcher = self.constraints.matcher(params) if params.constraint is not None else None
-        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, arrival_time, 0, generator, block_hashes,
-                                    matcher, logprob_start, scored_token_ids))
+        self.scheduler.add(Sequence(request.request_id, request.token_ids, params, request.arrival_time, 0, generator,
+                                    request.block_hashes, matcher, request.logprob_start, request.scored_token_ids))
         self.stats.num_requests += 1
-        self.stats.num_prompt_tokens += len(prompt_token_ids)
+        self.stats.num_prompt_tokens += len(request.token_ids)
         self.stats.max_num_waiting = max(self.stats.max_num_waiting, self.num_waiting)
         self.stats.max_num_waiting_tokens = max(self.stats.max_num_waiting_tokens, self.num_waiting_tokens)
 

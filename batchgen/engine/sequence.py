@@ -22,6 +22,7 @@ import random
 from enum import Enum
 
 from batchgen.engine.block_hash import BlockHash
+from batchgen.engine.request import reuse_cap
 from batchgen.outputs import RequestMetrics
 from batchgen.sampling_params import SamplingParams
 
@@ -100,11 +101,8 @@ class Sequence:
 
     @property
     def num_reusable_tokens(self) -> int:
-        """Prompt tokens whose K/V may come from the prefix cache: all but the last (its logits
-        are needed), or all before the first scored position's predecessor."""
-        if self.logprob_start is not None:
-            return max(self.logprob_start - 1, 0)
-        return len(self.token_ids) - 1
+        """Tokens whose K/V may come from the prefix cache (`reuse_cap` of the tokens so far)."""
+        return reuse_cap(len(self.token_ids), self.logprob_start)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -25,7 +25,8 @@ import numpy as np
 from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.io.readers import InputRow
 from batchgen.io.row_store import RowStore
-from batchgen.plan.requests import PlanLimits, PlannedRequest, plan_requests
+from batchgen.engine.request import Request
+from batchgen.plan.requests import PlanLimits, plan_requests
 from batchgen.job.prefetch import prefetched
 from batchgen.prompts import encode_batch
 from batchgen.sampling_params import SamplingParams
@@ -41,15 +42,15 @@ class JobPlan:
     stats: PlanStats
     job_params: SamplingParams  # stored records with params None have these
 
-    def record(self, position: int) -> tuple[InputRow, PlannedRequest]:
+    def record(self, position: int) -> tuple[InputRow, Request]:
         """The planned row at `position`: what its output needs of the input row (index, id,
         carried columns) and its request (the prompt's text is not kept: outputs do not hold it)."""
         index, row_id, carried, token_ids, block_hashes, params, arrival_time, logprob_start = self.store.get(position)
-        request = PlannedRequest(index, None, token_ids, block_hashes, params or self.job_params, arrival_time,
+        request = Request(index, None, token_ids, block_hashes, params or self.job_params, arrival_time,
                                  logprob_start)
         return InputRow(index, row_id, None, None, carried, {}), request
 
-    def in_order(self) -> Iterator[tuple[InputRow, PlannedRequest]]:
+    def in_order(self) -> Iterator[tuple[InputRow, Request]]:
         """Every planned row with its request, in run order, read back one at a time."""
         for position in self.order:
             yield self.record(int(position))
@@ -89,7 +90,7 @@ def split_rows(job_params: SamplingParams, rows: list[InputRow]
     return good, bad
 
 
-def _stored(row: InputRow, request: PlannedRequest, job_params: SamplingParams) -> tuple:
+def _stored(row: InputRow, request: Request, job_params: SamplingParams) -> tuple:
     """The record `JobPlan.record` reads back; params None when they are the job's."""
     params = None if request.params is job_params else request.params
     return (row.index, row.id, row.carried, request.token_ids, request.block_hashes, params, request.arrival_time,

@@ -22,30 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine import constraints
-from batchgen.engine.block_hash import BlockHash, hash_blocks
+from batchgen.engine.block_hash import hash_blocks
+from batchgen.engine.request import Request
 from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree
 from batchgen.outputs import RequestOutput
 from batchgen.prompts import encode_batch, encode_prompt, is_messages
 from batchgen.plan.scoring import encode_pair
 from batchgen.sampling_params import SamplingParams
-
-
-@dataclass
-class PlannedRequest:
-    request_id: int
-    prompt: str | None  # the text of a string prompt, else None
-    token_ids: list[int]
-    block_hashes: list[BlockHash]
-    params: SamplingParams
-    arrival_time: float  # when the prompt was handed in
-    logprob_start: int | None = None  # first position whose token's logprob is wanted
-    scored_token_ids: list[int] | None = None  # a scoring request's tokens: the prompt and one more
-
-    @property
-    def max_reused_tokens(self) -> int:
-        """Leading tokens the prefix cache may serve: all but the last, and none at or after
-        the first scored position."""
-        return len(self.token_ids) - 1 if self.logprob_start is None else self.logprob_start - 1
 
 
 @dataclass
@@ -65,7 +48,7 @@ class PromptError:
 @dataclass
 class Plan:
     block_size: int
-    requests: list[PlannedRequest]
+    requests: list[Request]
     errors: list[PromptError]
     stats: PlanStats
     tree: RadixTree = field(repr=False)
@@ -90,7 +73,7 @@ class PlanLimits:
 
 def plan_requests(tokenizer: Any, requests: list[tuple[int, Any, SamplingParams]], limits: PlanLimits,
                   scores: dict[int, tuple[int, list[int]]] | None = None,
-                  encoded: list[list[int] | None] | None = None) -> tuple[list[PlannedRequest], list[PromptError]]:
+                  encoded: list[list[int] | None] | None = None) -> tuple[list[Request], list[PromptError]]:
     """Encode (in batches) and check `(request_id, prompt, params)` triples, in their order:
     each becomes a planned request or a prompt error. `scores` maps the ids of scoring requests
     (nothing generated) to (position of the first scored token, the scored tokens: the prompt
@@ -119,7 +102,7 @@ def plan_requests(tokenizer: Any, requests: list[tuple[int, Any, SamplingParams]
                                       arrival_time))
             continue
         logprob_start, scored = scores.get(request_id, (1 if params.prompt_logprobs is not None else None, None))
-        planned.append(PlannedRequest(request_id, text, token_ids, hash_blocks(token_ids, limits.block_size), params,
+        planned.append(Request(request_id, text, token_ids, hash_blocks(token_ids, limits.block_size), params,
                                       arrival_time, logprob_start, scored))
     return planned, errors
 
