@@ -12,6 +12,7 @@ import click
 from batchgen.job.config import JobConfig, JobConfigError, load_job
 from batchgen.io.writer import OutputError
 from batchgen.job.run import check_engine, job_generator, open_input, plan_job, run_job
+from batchgen.kernels.inventory import gather_inventory
 
 JOB_ERROR_EXIT_CODE = 101
 USAGE_ERROR_EXIT_CODE = 102
@@ -165,6 +166,17 @@ def validate(job: Path) -> None:
         raise JobError(str(error)) from None
     source = config.input.path or config.input.dataset
     click.echo(f"{job}: ok ({table.num_rows:,} rows from {source}, output {config.output.path})")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON.")
+def info(as_json: bool) -> None:
+    """Show what this installation runs with: versions, the CPU and its flags, the CUDA device,
+    which kernels are active (or why not), what dtype and attention `auto` pick here, and the
+    cache folder. Builds the C kernels first where they are not cached yet.
+    """
+    inventory = gather_inventory()
+    click.echo(json.dumps(inventory.to_dict(), indent=2) if as_json else inventory.to_text())
 
 
 @main.command("eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
