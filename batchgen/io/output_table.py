@@ -93,9 +93,12 @@ OUTPUT_COLUMNS: tuple[str, ...] = tuple(c.name for c in (*KEY_COLUMNS, SAMPLE_IN
 
 
 def json_column(arrow_type: pa.DataType) -> OutputColumn:
-    """output_json: a complete (finish reason STOP) JSON-constrained sample's output, parsed: as
-    `arrow_type` when it is a struct (every row shares one schema), else as JSON text; None when
-    the output was cut or failed."""
+    """output_json: a complete (finish reason STOP) JSON-constrained sample's output, parsed, as
+    `arrow_type` (see `arrow_type_of_schema`), or its JSON text when `arrow_type` is a string.
+    None when the output was cut or failed, or holds a value `arrow_type` cannot (an integer
+    beyond int64): the row is still written and `output_text` keeps the output whole."""
+    is_text = pa.types.is_string(arrow_type)
+
     def read(sample: Sample) -> Any:
         if sample.completion.finish_reason != FinishReason.STOP:
             return None
@@ -103,25 +106,134 @@ def json_column(arrow_type: pa.DataType) -> OutputColumn:
             value = json.loads(sample.completion.text)
         except ValueError:
             return None
-        return json.dumps(value, ensure_ascii=False) if pa.types.is_string(arrow_type) else value
+        return sample.completion.text if is_text else _fitting(value, arrow_type)
     return OutputColumn(OUTPUT_JSON, arrow_type, True, read)
 
 
+def _fitting(value: Any, arrow_type: pa.DataType) -> Any:
+    """`value` when it converts to `arrow_type`, else None (an out-of-range number)."""
+    try:
+        pa.scalar(value, type=arrow_type)
+    except (OverflowError, pa.ArrowException):
+        return None
+    return value
+
+
+SCALAR_TYPES = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def arrow_type_of_schema(schema: Any) -> pa.DataType | None:
-    """The Arrow type a value valid under this JSON schema fits (objects -> structs, arrays ->
-    lists, string enums -> strings); None for a schema it cannot tell (anyOf, $ref, no type)."""
+    """The Arrow type that holds every value valid under this JSON schema, every key included,
+    or None when no single type does (output_json is then JSON text).
+
+    Every keyword of a schema constrains its values, so any one part of it that settles a type
+    settles it for the whole: its `type` (a list is nullable: null plus one other type), its
+    `enum`/`const` values (all of one JSON type), its local `$ref` (alone: older drafts ignore
+    a `$ref`'s siblings), the common type of its `anyOf`/`oneOf` branches (null branches
+    aside), or one of its `allOf` branches, tried in that order. Objects become structs only
+    when their keys are closed (`additionalProperties: false`, no `patternProperties`) and
+    every property has a type: a struct cannot hold other keys. Arrays with one `items`
+    schema become lists; tuples, maps, null-only and untyped values have no type.
+    """
+    return _arrow_type(schema, schema, ())
+
+
+def _arrow_type(schema: Any, root: dict, refs: tuple[str, ...]) -> pa.DataType | None:
+    """`arrow_type_of_schema` of a subschema of `root`; `refs`: the `$ref`s being resolved (a cycle has no type)."""
     if not isinstance(schema, dict):
         return None
-    kind = schema.get("type")
-    if kind is None and "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
-        kind = "string"
-    if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
-        fields = [(name, arrow_type_of_schema(sub)) for name, sub in schema["properties"].items()]
-        return None if any(t is None for _, t in fields) else pa.struct(fields)
-    if kind == "array":
-        item = arrow_type_of_schema(schema.get("items"))
-        return None if item is None else pa.list_(item)
-    return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}.get(kind)
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        return None if ref in refs else _arrow_type(_local_target(root, ref), root, (*refs, ref))
+    return (_type_keyword_type(schema, root, refs)
+            or _common_type([_value_kind(value) for value in _listed_values(schema)])
+            or _branches_type(schema.get("anyOf", schema.get("oneOf")), root, refs)
+            or _first_branch_type(schema.get("allOf"), root, refs))
+
+
+def _local_target(root: dict, ref: Any) -> Any:
+    """The subschema a local reference ("#" or "#/$defs/name") points to; None for any other reference."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    target: Any = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return None
+        target = target[part]
+    return target
+
+
+def _type_keyword_type(schema: dict, root: dict, refs: tuple[str, ...]) -> pa.DataType | None:
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list):
+        return None
+    non_null = [kind for kind in kinds if kind != "null"]
+    if len(non_null) != 1:
+        return None
+    if non_null[0] == "object":
+        return _struct_type(schema, root, refs)
+    if non_null[0] == "array":
+        item = _arrow_type(schema.get("items"), root, refs)
+        return None if item is None or "prefixItems" in schema else pa.list_(item)
+    return SCALAR_TYPES.get(non_null[0])
+
+
+def _struct_type(schema: dict, root: dict, refs: tuple[str, ...]) -> pa.DataType | None:
+    properties = schema.get("properties")
+    is_closed = schema.get("additionalProperties") is False and not schema.get("patternProperties")
+    if not is_closed or not isinstance(properties, dict) or not properties:
+        return None
+    fields = [(name, _arrow_type(sub, root, refs)) for name, sub in properties.items()]
+    return None if any(kind is None for _, kind in fields) else pa.struct(fields)
+
+
+def _listed_values(schema: dict) -> list:
+    """The values an `enum` or `const` allows (empty without either)."""
+    if "const" in schema:
+        return [schema["const"]]
+    values = schema.get("enum")
+    return values if isinstance(values, list) else []
+
+
+def _value_kind(value: Any) -> pa.DataType | None:
+    """The Arrow type of one listed JSON value; null for null, None for objects, arrays and huge integers."""
+    if value is None:
+        return pa.null()
+    if isinstance(value, bool):
+        return pa.bool_()
+    if isinstance(value, int):
+        return pa.int64() if INT64_MIN <= value <= INT64_MAX else None
+    return {float: pa.float64(), str: pa.string()}.get(type(value))
+
+
+def _branches_type(branches: Any, root: dict, refs: tuple[str, ...]) -> pa.DataType | None:
+    """The one type every non-null branch of an anyOf/oneOf has, else None."""
+    if not isinstance(branches, list):
+        return None
+    kinds = [pa.null() if _is_null_schema(branch) else _arrow_type(branch, root, refs) for branch in branches]
+    return _common_type(kinds)
+
+
+def _first_branch_type(branches: Any, root: dict, refs: tuple[str, ...]) -> pa.DataType | None:
+    """The type of the first allOf branch that has one (a valid value satisfies every branch)."""
+    if not isinstance(branches, list):
+        return None
+    return next(filter(None, (_arrow_type(branch, root, refs) for branch in branches)), None)
+
+
+def _is_null_schema(schema: Any) -> bool:
+    return isinstance(schema, dict) and (schema.get("type") == "null" or _listed_values(schema) == [None])
+
+
+def _common_type(kinds: list[pa.DataType | None]) -> pa.DataType | None:
+    """The one type of `kinds` besides null; None when they are empty, mixed or unknown."""
+    distinct = {kind for kind in kinds if kind != pa.null()}
+    if None in distinct or len(distinct) != 1:
+        return None
+    return distinct.pop()
 
 
 OutputLayout = tuple[bool, pa.DataType | None]  # (with_sample_index, json_type): the columns a sample adds

@@ -1,11 +1,16 @@
-"""Output rows from engine outputs: one per sample, timing columns from the metrics."""
+"""Output rows from engine outputs: one per sample, timing columns from the metrics, output_json
+written for every complete output whatever it holds."""
 
 from __future__ import annotations
 
+import json
+
+import pyarrow as pa
 import pytest
 
+from batchgen import SamplingParams
 from batchgen.io.readers import InputRow
-from batchgen.io.output_table import output_rows, percentile, timing_columns
+from batchgen.io.output_table import output_rows, output_schema, percentile, sampling_layout, timing_columns
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -49,3 +54,37 @@ def test_error_rows_have_the_reason_and_no_text():
     assert "sample_index" not in out
     assert (out["finish_reason"], out["error"], out["output_text"]) == ("error", row.error, None)
     assert out["ttft_s"] is None and out["queue_s"] is None and out["e2e_s"] == 0.5
+
+
+def json_rows(texts: list[tuple[str, str]], schema: dict) -> list[dict]:
+    """The output_json values of a JSON-constrained job's rows (one per (text, finish reason)),
+    after they went through the output schema's Arrow table as the writer builds it."""
+    _, json_type = sampling_layout(SamplingParams(json_schema=schema), set())
+    rows = []
+    for index, (text, reason) in enumerate(texts):
+        row = InputRow(index=index, id=str(index), prompt="p", error=None, carried={}, overrides={})
+        completion = CompletionOutput(0, text, [5], reason, None, RequestMetrics(arrival_time=0.0, finished_time=1.0))
+        rows += output_rows(row, RequestOutput(index, "p", [1], [completion]), False, json_type)
+    table = pa.Table.from_pylist(rows, schema=output_schema([], False, json_type))
+    assert table.column("output_text").to_pylist() == [text for text, _ in texts]
+    return table.column("output_json").to_pylist()
+
+
+def test_an_integer_beyond_int64_is_written_with_a_null_output_json_and_its_text_whole():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}
+    texts = [('{"a": 18446744073709551616}', "stop"), ('{"a": -9223372036854775808}', "stop"), ('{"a": 7}', "stop")]
+    assert json_rows(texts, schema) == [None, {"a": -9223372036854775808}, {"a": 7}]
+
+
+def test_output_json_keeps_every_key_an_open_object_allows():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    texts = [('{"a": 1, "extra": [true, null]}', "stop"), ('{"a": 2}', "stop"), ('{"a": 3, "b', "length")]
+    assert json_rows(texts, schema) == ['{"a": 1, "extra": [true, null]}', '{"a": 2}', None]
+    assert json.loads(json_rows(texts[:1], schema)[0]) == {"a": 1, "extra": [True, None]}
+
+
+def test_a_nullable_field_is_written_in_its_struct():
+    schema = {"type": "object", "properties": {"name": {"type": ["string", "null"]}, "tags": {
+        "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}, "additionalProperties": False}
+    texts = [('{"name": null, "tags": ["x"]}', "stop"), ('{"name": "Ada"}', "stop"), ('{"name": "A', "length")]
+    assert json_rows(texts, schema) == [{"name": None, "tags": ["x"]}, {"name": "Ada", "tags": None}, None]
