@@ -3,6 +3,7 @@ the cache folder; as text and as JSON."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -16,7 +17,8 @@ from click.testing import CliRunner
 import batchgen
 from batchgen.cli import main
 from batchgen.kernels import c_library, cpu_attention, inventory, sampling_ops
-from batchgen.kernels.inventory import CKernel, c_kernel_state, cpu_model_and_flags, describe_attention_backend
+from batchgen.kernels.inventory import (CKernel, c_kernel_state, cpu_model_and_flags, describe_attention_backend,
+                                       triton_kernel_states)
 from batchgen.models import resolve_dtype
 
 needs_compiler = pytest.mark.skipif(c_library.find_compiler() is None, reason="needs a C compiler")
@@ -99,7 +101,7 @@ def test_a_kernel_off_says_why(monkeypatch):
 
     unmet = c_kernel_state(CKernel("sampling_ops.c", "argmax", built_but_refused, "AVX-1024"))
     assert not unmet.is_active and Path(unmet.library).is_file()
-    assert unmet.reason == "built, but this CPU lacks AVX-1024"
+    assert unmet.reason == "built, but it does not run on this CPU: it needs AVX-1024"
 
 
 def test_attention_backend_names_the_cpu_kernels_it_runs():
@@ -107,3 +109,11 @@ def test_attention_backend_names_the_cpu_kernels_it_runs():
     expected = "cpu_attention.paged_decode_attention" if cpu_attention.is_available() else "attention.gather_decode"
     assert description.startswith("native: NativeBackend (decode ") and expected in description
     assert description.endswith("auto on cpu for float32, head_dim 64")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="checks the reasons without Triton")
+def test_triton_kernels_without_triton_are_off_and_say_how_to_install_it():
+    states = triton_kernel_states()
+    assert [state.name for state in states] == ["cuda_attention (Triton)", "cuda_decoder_ops (Triton)"]
+    for state in states:
+        assert not state.is_active and state.reason == "Triton is not installed (pip install triton)"

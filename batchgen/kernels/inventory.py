@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -21,11 +22,11 @@ from pathlib import Path
 import torch
 import transformers
 
-import batchgen
 from batchgen import models
 from batchgen.kernels import amx_attention, bf16_gemm, c_library, cpu_attention, decoder_ops, sampling_ops
 from batchgen.kernels.attention import NativeBackend, make_backend
 
+PACKAGE_DIR = Path(__file__).parent.parent  # the batchgen package this module belongs to
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 DEFAULT_MODEL_HEAD_DIM = 64  # SmolLM2-135M: hidden 576 over 9 heads
 
@@ -101,6 +102,14 @@ class Inventory:
         return "\n".join(lines)
 
 
+def installed_version(distribution: str) -> str:
+    """The installed version of `distribution`, or "not installed" (sources on the path only)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def cpu_model_and_flags(cpuinfo_path: str = "/proc/cpuinfo") -> tuple[str, dict[str, bool]]:
     """The CPU's model name (with its core count) and which of `CPU_FLAGS` it has (all False
     where ``cpuinfo_path`` cannot be read)."""
@@ -132,7 +141,7 @@ def c_kernel_state(kernel: CKernel) -> KernelState:
     if is_active:
         reason = None
     elif library is not None:
-        reason = f"built, but this CPU lacks {kernel.needs}"
+        reason = "built, but it does not run on this CPU" + (f": it needs {kernel.needs}" if kernel.needs else "")
     else:
         reason = load.error if load is not None else "its wrapper loaded no library"
     return KernelState(kernel.source, kernel.role, is_active, library, reason)
@@ -142,13 +151,15 @@ def triton_kernel_states() -> list[KernelState]:
     """The CUDA Triton kernels (only meaningful where CUDA is present)."""
     from batchgen.kernels import cuda_attention, cuda_decoder_ops
 
-    no_triton = "Triton is not installed (pip install triton)" if importlib.util.find_spec("triton") is None else None
-    attention_reason = no_triton or "needs a CUDA device of compute capability 8.0 or newer"
+    triton_reason = None if cuda_decoder_ops.is_available() else (  # available exactly when Triton imports
+        "Triton is not installed (pip install triton)" if importlib.util.find_spec("triton") is None
+        else "Triton is installed but does not import")
+    attention_reason = None if cuda_attention.is_available() else (
+        triton_reason or "it needs a CUDA device of compute capability 8.0 or newer")
     return [
-        KernelState("cuda_attention (Triton)", "CUDA paged decode attention", cuda_attention.is_available(), None,
-                    None if cuda_attention.is_available() else attention_reason),
-        KernelState("cuda_decoder_ops (Triton)", "CUDA fused decoder ops", cuda_decoder_ops.is_available(), None,
-                    None if cuda_decoder_ops.is_available() else no_triton),
+        KernelState("cuda_attention (Triton)", "CUDA paged decode attention", attention_reason is None, None,
+                    attention_reason),
+        KernelState("cuda_decoder_ops (Triton)", "CUDA fused decoder ops", triton_reason is None, None, triton_reason),
     ]
 
 
@@ -175,11 +186,11 @@ def gather_inventory() -> Inventory:
         kernels += triton_kernel_states()
     device = models.resolve_device("auto")
     dtype = models.resolve_dtype("auto", device)
-    versions = {"batchgen": batchgen.__version__, "torch": torch.__version__,
+    versions = {"batchgen": installed_version("batchgen"), "torch": torch.__version__,
                 "transformers": transformers.__version__, "python": platform.python_version()}
     return Inventory(
         versions=versions,
-        batchgen_path=str(Path(batchgen.__file__).parent),
+        batchgen_path=str(PACKAGE_DIR),
         cpu_model=cpu_model,
         cpu_flags=cpu_flags,
         cuda_device=cuda_device(),
