@@ -109,9 +109,9 @@ def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) 
         command = [compiler, *flags, "-o", tmp_name, str(source), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if result.returncode != 0:
-            errors = [line for line in result.stderr.splitlines() if "error" in line]
-            errors.append(f"exit status {result.returncode}")
-            raise RuntimeError(f"{Path(compiler).name} could not compile {source.name}: {errors[0]}\n"
+            lines = result.stderr.splitlines()
+            first_error = next((line for line in lines if "error" in line), f"exit status {result.returncode}")
+            raise RuntimeError(f"{Path(compiler).name} could not compile {source.name}: {first_error}\n"
                                f"{' '.join(command)}\n{result.stderr[-2000:]}")
         os.replace(tmp_name, target)
     finally:
