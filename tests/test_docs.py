@@ -19,6 +19,7 @@ from batchgen.sampling_params import SamplingParams
 ROOT = Path(__file__).resolve().parent.parent
 HOOK = ROOT / "docs" / "hooks" / "reference.py"
 REFERENCE_CLASSES = (EngineConfig, InputConfig, SamplingParams, OutputConfig, RayConfig)
+MAX_README_LINES = 250
 
 
 def build_site(config_file: Path, site_dir: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
@@ -82,3 +83,7 @@ def test_a_field_without_a_docstring_fails_the_strict_build(tmp_path):
     assert "undocumented_options.Options.bare has no docstring" in result.stderr
     assert "Options.documented" not in result.stderr
 
+
+def test_readme_is_short():
+    num_lines = len((ROOT / "README.md").read_text().splitlines())
+    assert num_lines <= MAX_README_LINES, f"README.md has {num_lines} lines; move detail to docs/"
