@@ -1,12 +1,9 @@
 """The CPU thread count, chosen by measuring steps: every core on a quiet machine, fewer on a busy one.
 
 A step's parallel regions end at barriers. When another process keeps a core busy, the OS
-deschedules one of the step's threads and every barrier waits for it. Measured on a 2-core AMD
-EPYC (`python scripts/bench_threads.py --fixed --threads N [--load] --dtype D`: the default
-model, 8 prompts x 32 tokens), with one process spinning a core: 2 threads took
-4.69 s in fp32 and 3.08 s in bf16, 1 thread 2.17 s and 1.47 s. On the quiet machine 2 threads
-took 1.46 s and 0.94 s, 1 thread 2.15 s and 1.32 s. No fixed count is right on both, so the
-engine measures.
+deschedules one of the step's threads and every barrier waits for it, so a fixed count is either
+slow on a busy machine or wasteful on a quiet one (measured in docs/performance.md): the engine
+measures.
 
 Every `TRIAL_PERIOD` steps a trial runs the current count and its neighbours (one fewer, one
 more up to the ceiling) for `TRIAL_STEPS` steps each, interleaved (`DECISIVE_STEPS` each when by
@@ -19,24 +16,19 @@ starts after `FIRST_TRIAL_STEP` steps.
 
 A step that takes `SLOWDOWN` times the seconds per token of the chosen count's steps in the
 last trial (a step of about that trial's size) starts a trial at once: load that arrives in a
-long job must not wait out a period grown to `MAX_TRIAL_PERIOD` steps. Measured on a 2-core
-Xeon with AMX (bf16, one engine that had run quiet before, the period grown): with one process
-spinning a core, long-out's decode steps took 300 ms at two threads against 30 ms quiet, and the
-run 77 s against 8 s (0.10 of quiet) with no trial due.
+long job must not wait out a period grown to `MAX_TRIAL_PERIOD` steps.
 
 Where the OS says how busy each CPU is (`OtherLoad`, Linux), the count is also capped at the
 cores other processes leave free, read every `other_load.WINDOW_S` seconds while the engine
 has work (a core counts as taken once others keep it `BUSY_CORE` busy; the time the engine was
 idle, when others' work is no competition, is left out): a changed cap becomes the count at
 once, and the next trial comes early. Trials find a busy core only on small steps, and a
-prefill-heavy run has few: no-sharing with one process spinning a core took 77.6 s at two
-threads against 12.2 s quiet.
+prefill-heavy run has few.
 
 Only steps of at most `TRIAL_MAX_TOKENS` tokens are trial steps; larger ones run at the chosen
-count. A trial costs its steps' time at a worse count, and on a 2048-token prefill step that was
-1.2 s a step (measured on long-in, bf16: its 4 steps at one thread took 8.95 s against about 5 s
-at two, 16% of the run). A large step is also where a busy core hurts least: its few barriers
-each wait on a long share of work.
+count. A trial costs its steps' time at a worse count, which on a large prefill step is a large
+share of a run; and a large step is where a busy core hurts least: its few barriers each wait
+on a long share of work.
 
 Invariants:
 - The count stays within 1 .. the ceiling: `max_threads`, torch's count when the tuner was
@@ -46,11 +38,9 @@ Invariants:
   changes.
 - Only the thread count changes. In float32 tokens do not depend on it: torch's and oneDNN's
   CPU kernels split work by rows and columns, not by the reduced dimension, and the attention
-  kernels give each (sequence, head) to one thread (fp32 logprobs and products measured equal
-  with 1 and 2 threads). In bfloat16 oneDNN's AMX GEMM blocks some prefill products' sums
-  differently at one thread (1,024 x 576 x 1,536 differs in the last bf16 bit of some outputs;
-  the other shapes of the default model's steps, and batchgen's own bf16 kernel, are equal), so
-  bf16 greedy tokens may differ between a quiet run and a loaded one (long-out: 18 of 32 rows).
+  kernels give each (sequence, head) to one thread. In bfloat16 oneDNN's AMX GEMM blocks some
+  prefill products' sums differently at one thread, so bf16 greedy tokens may differ between a
+  quiet run and a loaded one.
 """
 
 from __future__ import annotations

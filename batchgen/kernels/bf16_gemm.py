@@ -1,12 +1,12 @@
 """bfloat16 linear layers through ``csrc/bf16_gemm.c``: the CPU GEMM where it beats oneDNN.
 
 On a CPU with AVX512-BF16 and no AMX (AMD EPYC Zen 4 and later), oneDNN runs a decode step's
-products well below the CPU's bf16 rate; the C kernel runs them 1.2-1.5x faster at 32 rows and
-about as fast as oneDNN at 2,048, so it runs every product there. On a CPU with AMX-BF16 the
-build's kernel is made of AMX tile products: 1.4x oneDNN at 32 rows, where the weights stream
-from memory, 1.0-1.2x from 64 to 1,024 rows, slower from 1,280 rows on (see the source's
-header), so it runs only products of up to `max_rows()` rows. `is_available` says whether this
-machine's build holds a kernel; where it does not (no AVX512-BF16), callers use oneDNN.
+products well below the CPU's bf16 rate; the C kernel is faster at decode sizes and about as
+fast at 2,048 rows, so it runs every product there. On a CPU with AMX-BF16 the build's kernel
+is made of AMX tile products, faster than oneDNN up to 1,024 rows and slower past them
+(docs/performance.md), so it runs only products of up to `max_rows()` rows. `is_available` says
+whether this machine's build holds a kernel; where it does not (no AVX512-BF16), callers use
+oneDNN.
 
 Invariants:
 - `pack` copies a [n, k] weight (k even) into the kernel's panel layout once; both paths read it.

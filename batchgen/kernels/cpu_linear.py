@@ -3,13 +3,10 @@ concatenated weight as it is, for cuBLAS).
 
 torch's default CPU GEMM runs the products of a decode step (tens of rows against each
 weight matrix) well below the machine's matmul rate; oneDNN, with each weight reordered
-once into its blocked layout, runs them faster (2-core AMD EPYC, fp32, 32 rows: 1.17x on a
-layer's seven products, 1.79x on the lm_head; about even at 2048 rows; measured by
-scripts/bench_cpu_linear.py). bf16 weights on a CPU with AVX512-BF16 and no AMX go to
-`bf16_gemm`'s C kernel instead, faster than oneDNN there (1.2-1.5x at 32 rows); on a CPU with
-AMX, that kernel's AMX path runs products of up to 1,024 rows (decode and mixed steps: 1.4x
-at 32 rows, 1.0-1.2x from 64 to 1,024) and oneDNN larger ones (a 2,048-token prefill chunk:
-1.4x faster there).
+once into its blocked layout, runs them faster. bf16 weights on a CPU with AVX512-BF16 and no
+AMX go to `bf16_gemm`'s C kernel instead, faster than oneDNN there; on a CPU with AMX, that
+kernel's AMX path runs products of up to `bf16_gemm.max_rows()` rows (decode and mixed steps)
+and oneDNN larger ones (a prefill chunk), each where it is the faster (docs/performance.md).
 
 Invariants:
 - `pack_weights` packs each weight once for the GEMMs that may run it: `bf16_gemm` for a bf16

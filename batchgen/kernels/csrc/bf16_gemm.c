@@ -19,12 +19,10 @@
  * contiguous range of panels.
  *
  * AVX512-BF16 path (no AMX): oneDNN runs a decode step's products (tens of rows against each
- * weight) well below this CPU's bf16 rate. Here (2-core AMD EPYC, AVX-512 on 256-bit units,
- * bf16 dot peak ~460 GFLOP/s; the default model's product shapes, weights cold as in a step):
- * 32 rows 340-415 against oneDNN's 240-305 GFLOP/s, 256 rows 400-415 against 375-410, 2,048
- * rows 390-415 against 335-425. A tile of 4 rows x 96 columns is 24 float32 accumulators; for
- * each input pair it loads the panel's 6 vectors once and broadcasts each row's pair (4 x 96
- * measured faster than 8 x 48, 6 x 64 and 12 x 32 tiles at 256 and 2,048 rows, even at 32).
+ * weight) well below this CPU's bf16 rate; this path runs them near it (docs/performance.md).
+ * A tile of 4 rows x 96 columns is 24 float32 accumulators; for each input pair it loads the
+ * panel's 6 vectors once and broadcasts each row's pair (4 x 96 measured faster than 8 x 48,
+ * 6 x 64 and 12 x 32 tiles).
  * Rows past m read row m - 1 (kept in registers, never stored). With few row tiles (a decode
  * step), a panel is used by few tiles after it comes from memory, so the tiles ask for the
  * thread's next panel as they go, a line or so per input pair, and its reads overlap their
@@ -32,25 +30,18 @@
  *
  * AMX path: a block of 32 rows x 32 columns is four 16 x 16 float32 accumulator tiles, fed per
  * 32 inputs by two tiles of x rows and two of the panel (tmm0-7, all eight). A panel is one
- * block's 32 columns, so a block reads its weight as one contiguous stream: the 30 layers'
- * products and the lm_head 13.87 ms against 14.61 with 96-column panels (of which a block read a
- * third of each 384-byte row) at 32 rows, 22.05 against 24.77 at 64 (weights cold, medians of
- * 15). The row blocks of a panel (one at 32 rows, eight at 256) ask for the next panel's whole
- * weight into L2 (prefetcht2), each block an equal share spread over its chunks: the weight
- * streams from memory while every block computes, where asking two chunks ahead into L1 kept
- * memory busy only during a panel's first block, and a software prefetch into L1 holds one of
- * the core's few line-fill buffers until its line arrives. Rows go SUPER_ROWS at a time over
- * the thread's panels, so their x (768 KB at 1,536 inputs) stays in L2 while the weight passes
- * (the layers' products with weights made apart from the engine: 1,024 rows 115 ms in one pass
- * over each panel against 109-110 in passes of 512, 2,048 rows 281 against 211).
+ * block's 32 columns, so a block reads its weight as one contiguous stream (faster than 96-column
+ * panels, of which a block read a third of each row). The row blocks of a panel (one at 32
+ * rows, eight at 256) ask for the next panel's whole weight into L2 (prefetcht2), each block an
+ * equal share spread over its chunks: the weight streams from memory while every block
+ * computes, where asking two chunks ahead into L1 kept memory busy only during a panel's first
+ * block, and a software prefetch into L1 holds one of the core's few line-fill buffers until its
+ * line arrives. Rows go SUPER_ROWS at a time over
+ * the thread's panels, so their x (768 KB at 1,536 inputs) stays in L2 while the weight passes.
  * The rows past the last multiple of 32 run after the full blocks, with tiles configured to
- * their count (nothing past row m is read). Here (2-core Intel Xeon with AMX; the engine's
- * packed weights of the default model, its 30 layers' products, weights cold; oneDNN on the
- * same weights' copies, interleaved, medians of 5): 64 rows 15.1 ms against oneDNN's 16.8, 128
- * rows 18.8 against 22.3, 256 rows 29.3-29.7 against 28.9-29.9, 512 rows 54.1 against 58.4, 768
- * rows 83.0 against 99.7, 1,024 rows 103-110 against 117-123; oneDNN changes its method past
- * that and wins: 1,280 rows 144 against 135, 1,536 156 against 119-123, 2,048 202 against 146.
- * `bg_bf16_gemm_max_rows` is 1,024.
+ * their count (nothing past row m is read). Against oneDNN on the same weights this path is
+ * faster up to 1,024 rows; oneDNN changes its method past that and wins (docs/performance.md),
+ * so `bg_bf16_gemm_max_rows` is 1,024.
  */
 #include <stdint.h>
 

@@ -15,21 +15,14 @@
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
  * MIN_PARALLEL_ELEMENTS elements: a call of a row or two runs on one thread. In a step the other
  * threads are awake (they just ran the GEMM before the call), and each core holds in its cache
- * the half of the rows it wrote, so from 16 decode rows on both threads win: in decode steps of
- * 32 rows at 256 positions (2-core Xeon with AMX, bf16), residual add + RMSNorm 23 -> 17 us a
- * call, rotary embeddings + K/V store 46 -> 30, SiLU * up 44 -> 27, the step 39.3 -> 34.5 ms,
- * with the threshold at 8,192 elements against 65,536. (Each call alone with its data in
- * cache, at the default model's widths, two threads were 1-1.4 us slower for RMSNorm at 4-8
- * rows.)
+ * the half of the rows it wrote, so from about 16 decode rows on both threads win (measured in
+ * docs/performance.md).
  *
- * With AVX-512 (F, BW, VL) each row is one pass of 16-lane intrinsics (HAS_ROW16), else the
- * portable loops, which gcc vectorizes through temporary rows. Both compute the same operations
- * except the exponential (expf16: its own polynomial, within a few ulp of vector_expf) and, with
- * AVX512-BF16, the bfloat16 rounding (the convert instruction flushes subnormal values to zero).
- * Measured on a 2-core AMD EPYC with AVX512-BF16, bfloat16, each call alone, intrinsics against
- * portable loops: 32 rows (a decode step) SiLU * up 0.020 against 0.034 ms, residual add + RMSNorm
- * 0.009 against 0.010, rotary embeddings + K/V store 0.008 against 0.012; 2048 rows (a prefill
- * step) 1.08 against 1.22, 0.18 against 0.30, 0.25 against 0.32 ms.
+ * With AVX-512 (F, BW, VL) each row is one pass of 16-lane intrinsics (HAS_ROW16), faster than
+ * the portable loops, which gcc vectorizes through temporary rows. Both compute the same
+ * operations except the exponential (expf16: its own polynomial, within a few ulp of
+ * vector_expf) and, with AVX512-BF16, the bfloat16 rounding (the convert instruction flushes
+ * subnormal values to zero).
  */
 #include <math.h>
 #include <stdint.h>
