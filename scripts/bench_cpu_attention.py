@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels.attention_kernel import PagedSeqs
 from batchgen.kernels.shared_prefixes import prefix_groups
 
 NUM_SEQS, CONTEXT_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 1024, 9, 3, 64, 16
@@ -53,6 +54,11 @@ def torch_gather_sdpa(q, k_cache, v_cache, block_tables, context_lens, scale):
     values = v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+def kernel_call(q, k_cache, v_cache, block_tables, context_lens, scale, groups=None) -> tuple:
+    """A decode kernel's arguments for these inputs, with a new output buffer (the last)."""
+    return q, k_cache, v_cache, PagedSeqs(block_tables, context_lens, groups), scale, torch.empty_like(q)
 
 
 def median_ms(function, args, repeats: int) -> float:
@@ -81,9 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'dtype':<10}{'kernel ms':>12}{'gather+sdpa ms':>17}{'speedup':>10}{'max abs diff':>15}")
     for dtype in (torch.float32, torch.bfloat16):
         args = (*make_inputs(dtype), scale)
-        kernel_ms = median_ms(cpu_attention.paged_decode_attention, args, repeats)
+        call = kernel_call(*args)
+        kernel_ms = median_ms(cpu_attention.paged_decode_attention, call, repeats)
         torch_ms = median_ms(torch_gather_sdpa, args, repeats)
-        diff = (cpu_attention.paged_decode_attention(*args).float() - torch_gather_sdpa(*args).float()).abs().max()
+        diff = (call[-1].float() - torch_gather_sdpa(*args).float()).abs().max()
         name = str(dtype).removeprefix("torch.")
         print(f"{name:<10}{kernel_ms:>12.3f}{torch_ms:>17.3f}{torch_ms / kernel_ms:>9.1f}x{diff.item():>15.2e}")
     compare_prefill(max(3, repeats // 10), scale)
@@ -93,20 +100,20 @@ def main(argv: list[str] | None = None) -> None:
 
 def causal_prefill(num_tokens: int, dtype: torch.dtype, scale: float):
     """One sequence's random prefill, every token a query: q, the pool, an output buffer, the
-    prefill kernels' layout arguments, and SDPA on the same K/V laid out densely."""
+    prefill kernels' sequences, and SDPA on the same K/V laid out densely."""
     k_cache = torch.randn(num_tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
     lens = torch.tensor([num_tokens], dtype=torch.int32)
-    layout = (torch.arange(num_tokens // BLOCK_SIZE, dtype=torch.int32)[None], lens, torch.tensor([0], dtype=torch.int32),
-              lens)
+    seqs = PagedSeqs(torch.arange(num_tokens // BLOCK_SIZE, dtype=torch.int32)[None], lens,
+                     query_starts=torch.tensor([0], dtype=torch.int32), query_lens=lens)
     dense = [t.view(num_tokens, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None] for t in (k_cache, v_cache)]
 
     def sdpa():
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], *dense, is_causal=True, scale=scale,
                                               enable_gqa=True)[0].transpose(0, 1)
 
-    return q, k_cache, v_cache, torch.empty_like(q), layout, sdpa
+    return q, k_cache, v_cache, torch.empty_like(q), seqs, sdpa
 
 
 def compare_prefill(repeats: int, scale: float) -> None:
@@ -119,9 +126,9 @@ def compare_prefill(repeats: int, scale: float) -> None:
                   "(needs AVX-512 or AVX2 with FMA)")
             continue
         for num_tokens in (512, 2048):
-            q, k_cache, v_cache, out, layout, sdpa = causal_prefill(num_tokens, dtype, scale)
-            kernel_ms = median_ms(lambda: cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *layout, scale, out),
-                                  (), repeats)
+            q, k_cache, v_cache, out, seqs, sdpa = causal_prefill(num_tokens, dtype, scale)
+            kernel_ms = median_ms(cpu_attention.paged_prefill_attention, (q, k_cache, v_cache, seqs, scale, out),
+                                  repeats)
             sdpa_ms = median_ms(sdpa, (), repeats)
             diff = (out.float() - sdpa().float()).abs().max()
             flops = 4 * NUM_HEADS * HEAD_DIM * num_tokens * num_tokens / 2
@@ -153,12 +160,11 @@ def compare_cascade(repeats: int, scale: float) -> None:
           f"{'cascade ms':>12}{'speedup':>9}{'max abs diff':>14}")
     for dtype in (torch.float32, torch.bfloat16):
         q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(dtype)
-        groups = decode_groups(block_tables, context_lens)
         args = (q, k_cache, v_cache, block_tables, context_lens, scale)
-        plain_ms = median_ms(cpu_attention.paged_decode_attention, args, repeats)
-        cascade_ms = median_ms(lambda: cpu_attention.paged_decode_attention(*args, groups=groups), (), repeats)
-        diff = (cpu_attention.paged_decode_attention(*args, groups=groups).float()
-                - cpu_attention.paged_decode_attention(*args).float()).abs().max()
+        plain, cascade = kernel_call(*args), kernel_call(*args, decode_groups(block_tables, context_lens))
+        plain_ms = median_ms(cpu_attention.paged_decode_attention, plain, repeats)
+        cascade_ms = median_ms(cpu_attention.paged_decode_attention, cascade, repeats)
+        diff = (cascade[-1].float() - plain[-1].float()).abs().max()
         print(f"{str(dtype).removeprefix('torch.'):<10}{plain_ms:>10.3f}{cascade_ms:>12.3f}{plain_ms / cascade_ms:>8.2f}x"
               f"{diff.item():>14.2e}")
 
@@ -177,21 +183,23 @@ def compare_amx(repeats: int, scale: float) -> None:
         print("the AMX kernel does not run here (needs AMX-BF16)")
         return
     for num_tokens in (512, 2048):
-        q, k_cache, v_cache, out, layout, sdpa = causal_prefill(num_tokens, torch.bfloat16, scale)
-        amx_ms = median_ms(lambda: amx_attention.paged_prefill_attention(q, k_cache, v_cache, *layout, scale, out),
-                           (), repeats)
+        q, k_cache, v_cache, out, seqs, sdpa = causal_prefill(num_tokens, torch.bfloat16, scale)
+        amx_ms = median_ms(amx_attention.paged_prefill_attention, (q, k_cache, v_cache, seqs, scale, out), repeats)
         report(f"prefill {num_tokens}", amx_ms, median_ms(sdpa, (), repeats), out, sdpa())
     decode_args = (*make_inputs(torch.bfloat16), scale)
-    out = torch.empty_like(decode_args[0])
-    amx_ms = median_ms(lambda: amx_attention.paged_decode_attention(*decode_args, out), (), repeats)
-    report(f"decode {NUM_SEQS}x{CONTEXT_LEN}", amx_ms, median_ms(cpu_attention.paged_decode_attention, decode_args, repeats),
-           out, cpu_attention.paged_decode_attention(*decode_args))
+    amx, vector = kernel_call(*decode_args), kernel_call(*decode_args)
+    amx_ms = median_ms(amx_attention.paged_decode_attention, amx, repeats)
+    report(f"decode {NUM_SEQS}x{CONTEXT_LEN}", amx_ms, median_ms(cpu_attention.paged_decode_attention, vector, repeats),
+           amx[-1], vector[-1])
     q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(torch.bfloat16)
-    groups, out = decode_groups(block_tables, context_lens), torch.empty_like(q)
     decode_args = (q, k_cache, v_cache, block_tables, context_lens, scale)
-    amx_ms = median_ms(lambda: amx_attention.paged_decode_attention(*decode_args, out, groups), (), repeats)
-    cascade_ms = median_ms(lambda: cpu_attention.paged_decode_attention(*decode_args, groups=groups), (), repeats)
-    report("cascade decode", amx_ms, cascade_ms, out, cpu_attention.paged_decode_attention(*decode_args))
+    groups = decode_groups(block_tables, context_lens)
+    amx, cascade = kernel_call(*decode_args, groups), kernel_call(*decode_args, groups)
+    plain = kernel_call(*decode_args)
+    amx_ms = median_ms(amx_attention.paged_decode_attention, amx, repeats)
+    cascade_ms = median_ms(cpu_attention.paged_decode_attention, cascade, repeats)
+    cpu_attention.paged_decode_attention(*plain)
+    report("cascade decode", amx_ms, cascade_ms, amx[-1], plain[-1])
 
 
 def report(case: str, amx_ms: float, other_ms: float, got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from batchgen.kernels import cuda_attention
 from batchgen.kernels.attention import gather_decode
+from batchgen.kernels.attention_kernel import PagedSeqs
 
 BLOCK_SIZE = 16
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
@@ -29,7 +30,7 @@ MAX_POOLS = 64
 
 
 def make_pools(num_seqs: int, context_len: int, shape, dtype) -> list[tuple]:
-    """Independent (q, k_cache, v_cache, block_tables, context_lens) sets, enough to defeat the L2."""
+    """Independent (q, k_cache, v_cache, seqs, out) sets, enough to defeat the L2."""
     num_heads, num_kv_heads, head_dim = shape
     blocks_per_seq = math.ceil(context_len / BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
@@ -42,20 +43,20 @@ def make_pools(num_seqs: int, context_len: int, shape, dtype) -> list[tuple]:
         v_cache = torch.randn(cache_shape, device="cuda", dtype=dtype)
         q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=dtype)
         context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device="cuda")
-        pools.append((q, k_cache, v_cache, block_tables, context_lens))
+        pools.append((q, k_cache, v_cache, PagedSeqs(block_tables, context_lens), torch.empty_like(q)))
     return pools
 
 
 def median_us(function, pools, scale: float, repeats: int) -> float:
     """Median time of one call, each call on the next pool (warm-up first)."""
-    for args in pools[:3]:
-        function(*args, scale)
+    for q, k_cache, v_cache, seqs, out in pools[:3]:
+        function(q, k_cache, v_cache, seqs, scale, out)
     times = []
     for i in range(repeats):
-        args = pools[i % len(pools)]
+        q, k_cache, v_cache, seqs, out = pools[i % len(pools)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        function(*args, scale)
+        function(q, k_cache, v_cache, seqs, scale, out)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)
@@ -67,8 +68,11 @@ def bench_case(name: str, shape, num_seqs: int, context_len: int, dtype, repeats
     pools = make_pools(num_seqs, context_len, shape, dtype)
     scale = head_dim ** -0.5
     kv_bytes = 2 * num_seqs * context_len * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    kernel_out = cuda_attention.paged_decode_attention(*pools[0], scale)
-    max_diff = (kernel_out.float() - gather_decode(*pools[0], scale).float()).abs().max().item()
+    q, k_cache, v_cache, seqs, kernel_out = pools[0]
+    gathered = torch.empty_like(q)
+    cuda_attention.paged_decode_attention(q, k_cache, v_cache, seqs, scale, kernel_out)
+    gather_decode(q, k_cache, v_cache, seqs, scale, gathered)
+    max_diff = (kernel_out.float() - gathered.float()).abs().max().item()
     kernel_us = median_us(cuda_attention.paged_decode_attention, pools, scale, repeats)
     gather_us = median_us(gather_decode, pools, scale, repeats)
     bound_us = kv_bytes / bandwidth * 1e6

@@ -19,13 +19,14 @@ Layout invariants (`AttentionMetadata`):
   backend that `shares_prefixes` (`shared_prefixes`).
 
 Backends: "reference" is a plain per-sequence torch implementation, the oracle for the
-others; "native" batches decode rows through one kernel call that reads the pool in place
-(compiled C on CPU, Triton on CUDA, both reading a group's shared prefix once: cascade; a
-gather + SDPA fallback where neither is available) and
-runs prefill chunks through the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
+others; "native" (`NativeBackend`) calls the device's kernels, each kind one way
+(`attention_kernel`: `kernel(q, k_cache, v_cache, seqs, scale, out) -> bool`): decode rows in one
+call that reads the pool in place (compiled C on CPU, Triton on CUDA, both reading a group's
+shared prefix once: cascade; a gather + SDPA fallback where neither is available), prefill
+chunks in one call of the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
 float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
-head_dim 64, "native" is `AmxBackend`: every prefill chunk and decode row through the AMX
-kernels (`amx_attention`), the members of a decode group attending their prefix together.
+head_dim 64, both kinds go through the AMX kernels (`amx_attention`), decode rows through the
+vector kernel's cascade where the AMX one does not apply.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from batchgen.kernels import amx_attention, cpu_attention
-from batchgen.kernels.amx_attention import KernelSeqs
+from batchgen.kernels.attention_kernel import AttentionKernel, PagedSeqs
 from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
+from batchgen.kernels.shared_prefixes import prefix_groups
 
 ATTENTION_NAME = "batchgen"
 MAX_BATCHED_PREFILL_LEN = 64  # prefill chunks of at most this many tokens attend in one padded call
@@ -61,18 +63,24 @@ class AttentionMetadata:
     decode_groups: torch.Tensor | None = None  # int32 [G, 3], see shared_prefixes.prefix_groups
 
     @cached_property
-    def prefill_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first packed row, number of query tokens) of each prefill chunk, int32 on the device;
-        built at the first layer's call, shared by every layer."""
-        first, device = self.num_decode_seqs, self.block_tables.device
-        return (torch.tensor(self.query_start_loc[first:-1], dtype=torch.int32, device=device),
-                torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
+    def decode_seqs(self) -> PagedSeqs:
+        """The decode rows as every decode kernel takes them, with `decode_groups`; built at the
+        first layer's call, shared by every layer."""
+        num_decode = self.num_decode_seqs
+        return PagedSeqs(self.block_tables[:num_decode], self.context_lens[:num_decode], self.decode_groups)
 
     @cached_property
-    def amx_prefill(self) -> KernelSeqs | None:
-        """The prefill chunks as `AmxBackend` hands them to the AMX kernel; built at the first
-        layer's call, shared by every layer."""
-        return amx_attention.prefill_seqs(self)
+    def prefill_seqs(self) -> PagedSeqs:
+        """The prefill chunks as every prefill kernel takes them, chunks sharing cached prefix
+        blocks in groups (`shared_prefixes.prefix_groups`); built at the first layer's call,
+        shared by every layer."""
+        first, device = self.num_decode_seqs, self.block_tables.device
+        groups = prefix_groups(self.block_tables_list[first:], self.context_lens_list[first:], self.query_lens[first:],
+                               self.block_size)
+        return PagedSeqs(self.block_tables[first:], self.context_lens[first:],
+                         groups=torch.tensor(groups, dtype=torch.int32, device=device).reshape(-1, 3),
+                         query_starts=torch.tensor(self.query_start_loc[first:-1], dtype=torch.int32, device=device),
+                         query_lens=torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
     def short_prefill(self) -> PrefillBatch | None:
@@ -205,52 +213,69 @@ def register() -> str:
 
 
 class NativeBackend(AttentionBackend):
-    """Decode rows in one batched call that reads the pool in place; prefill chunks in one call
-    too where the device has a paged prefill function, else via SDPA.
+    """Decode rows in one kernel call that reads the pool in place; prefill chunks in one call
+    too where the device has a prefill kernel that runs them, else via SDPA.
 
-    `decode` is the batched paged decode function for this device. When `shares_prefixes`, it
-    takes `groups=` (metadata.decode_groups) and reads a group's shared prefix once for all its
-    sequences (cascade attention). `prefill`, when given, attends every prefill chunk over the
-    pool in one call and returns False where it does not apply (then SDPA runs them). Through
+    Each kernel follows `attention_kernel`'s contract and is handed q and out contiguous.
+    `decode` runs the decode rows (`decode_fallback` where it does not run them); when
+    `shares_prefixes`, their `decode_groups` go with them and a kernel may read a group's shared
+    prefix once for all its sequences (cascade attention). `prefill`, when given, attends every
+    prefill chunk over the pool in one call; where it does not run them, SDPA does. Through
     SDPA, a prefill chunk with no cached context attends to its own new K/V without touching
     the pool.
     """
 
     name = "native"
 
-    def __init__(self, decode, prefill=None, shares_prefixes: bool = False, captures_decode: bool = False):
+    def __init__(self, decode: AttentionKernel, prefill: AttentionKernel | None = None,
+                 decode_fallback: AttentionKernel | None = None, shares_prefixes: bool = False,
+                 captures_decode: bool = False):
         self.decode = decode
         self.prefill = prefill
+        self.decode_fallback = decode_fallback
         self.shares_prefixes = shares_prefixes
         self.captures_decode = captures_decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
+        q = q.contiguous()  # transformers' forward hands over q as a [H, T, D] transpose
+        result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         num_decode = meta.num_decode_seqs
         if num_decode:
-            extra = {"groups": meta.decode_groups} if meta.decode_groups is not None else {}
-            out[:num_decode] = self.decode(q[:num_decode].contiguous(), k_cache, v_cache, meta.block_tables[:num_decode],
-                                           meta.context_lens[:num_decode], scale, **extra)
-        if num_decode == len(meta.query_lens) or (self.prefill is not None and self.prefill(
-                q, k_cache, v_cache, meta.block_tables[num_decode:], meta.context_lens[num_decode:],
-                *meta.prefill_queries, scale, out)):
+            self.attend_decode(q[:num_decode], k_cache, v_cache, meta.decode_seqs, scale, result[:num_decode])
+        if num_decode < len(meta.query_lens) and (self.prefill is None or not self.prefill(
+                q, k_cache, v_cache, meta.prefill_seqs, scale, result)):
+            attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result)
+        if result is not out:
+            out.copy_(result)
+
+    def attend_decode(self, q, k_cache, v_cache, seqs, scale, out) -> None:
+        if self.decode(q, k_cache, v_cache, seqs, scale, out):
             return
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        batch = meta.short_prefill
-        if batch is not None:
-            attend_prefill_batch(q, flat_k, flat_v, batch, scale, out)
-        done = set(batch.seqs if batch else ())
-        for s in range(num_decode, len(meta.query_lens)):
-            if s in done:
-                continue
-            start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
-            num_context = meta.context_lens_list[s]
-            if num_context == end - start:
-                keys, values = k[start:end], v[start:end]
-            else:
-                slots = context_slots(meta.block_tables_list[s], num_context, meta.block_size, q.device)
-                keys, values = flat_k[slots], flat_v[slots]
-            out[start:end] = prefill_sdpa(q[start:end], keys, values, scale)
+        if self.decode_fallback is None or not self.decode_fallback(q, k_cache, v_cache, seqs, scale, out):
+            raise RuntimeError(f"no decode kernel of this backend runs a {q.dtype} step of head_dim {q.shape[-1]} "
+                               f"over a pool of shape {tuple(k_cache.shape)}")
+
+
+def attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Every prefill chunk of the step through SDPA: the short ones in one padded call, the others
+    one by one (a chunk with no cached context over its own new K/V)."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    batch = meta.short_prefill
+    if batch is not None:
+        attend_prefill_batch(q, flat_k, flat_v, batch, scale, out)
+    done = set(batch.seqs if batch else ())
+    for s in range(meta.num_decode_seqs, len(meta.query_lens)):
+        if s in done:
+            continue
+        start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
+        num_context = meta.context_lens_list[s]
+        if num_context == end - start:
+            keys, values = k[start:end], v[start:end]
+        else:
+            slots = context_slots(meta.block_tables_list[s], num_context, meta.block_size, q.device)
+            keys, values = flat_k[slots], flat_v[slots]
+        out[start:end] = prefill_sdpa(q[start:end], keys, values, scale)
 
 
 def attend_prefill_batch(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, batch: PrefillBatch,
@@ -278,66 +303,37 @@ def prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scal
     return out[0].transpose(0, 1)
 
 
-def gather_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Portable batched decode: gathers each row's K/V (a copy) then one masked SDPA call."""
-    block_size = k_cache.shape[1]
+def gather_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs, scale: float,
+                  out: torch.Tensor) -> bool:
+    """Portable decode (`attention_kernel`'s contract): gathers each row's K/V (a copy) then one
+    masked SDPA call; it runs everything and ignores groups."""
+    block_size, context_lens = k_cache.shape[1], seqs.context_lens
     positions = torch.arange(int(context_lens.max()), device=q.device)
-    slots = padded_context_slots(block_tables, context_lens, len(positions), block_size)  # [S, L]
+    slots = padded_context_slots(seqs.block_tables, context_lens, len(positions), block_size)  # [S, L]
     keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, Hkv, D]
     values = v_cache.view(-1, *v_cache.shape[2:])[slots]
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-    out = F.scaled_dot_product_attention(
+    attended = F.scaled_dot_product_attention(
         q[:, :, None, :], keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
         attn_mask=mask, scale=scale, enable_gqa=True,
     )
-    return out[:, :, 0, :]
-
-
-class AmxBackend(AttentionBackend):
-    """On a CPU with AMX-BF16 (bfloat16, head_dim 64): decode rows through the AMX decode kernel
-    (rows sharing cached prefix blocks, `decode_groups`, attending the prefix together; the
-    vector kernel's cascade where the AMX one does not apply), prefill chunks through the AMX
-    prefill kernel, chunks sharing cached prefix blocks attending it together."""
-
-    name = "native"
-    shares_prefixes = True
-
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
-        num_decode, prefill = meta.num_decode_seqs, meta.amx_prefill
-        q = q.contiguous()  # transformers' forward hands over q as a [H, T, D] transpose
-        result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        if num_decode:
-            args = (q[:num_decode], k_cache, v_cache, meta.block_tables[:num_decode], meta.context_lens[:num_decode],
-                    scale)
-            decoded = result[:num_decode]
-            if not amx_attention.paged_decode_attention(*args, decoded, groups=meta.decode_groups):
-                decoded.copy_(cpu_attention.paged_decode_attention(*args, groups=meta.decode_groups))
-        if prefill is not None:
-            self.attend(q, k_cache, v_cache, prefill, scale, result)
-        if result is not out:
-            out.copy_(result)
-
-    @staticmethod
-    def attend(q, k_cache, v_cache, seqs, scale, out) -> None:
-        if not amx_attention.paged_prefill_attention(q, k_cache, v_cache, seqs.block_tables, seqs.context_lens,
-                                                     seqs.query_starts, seqs.query_lens, scale, out, seqs.groups):
-            raise RuntimeError("the AMX attention kernel refused the step (a non-contiguous KV pool?)")
+    out.copy_(attended[:, :, 0, :])
+    return True
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
     """"reference", "native", or "auto" (native with the device's fastest decode and prefill
-    paths for `dtype` and `head_dim`)."""
+    kernels for `dtype` and `head_dim`)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
     if device.type == "cpu" and cpu_attention.is_available():
         if amx_attention.supports(dtype, head_dim):
-            return AmxBackend()
-        if cpu_attention.prefill_is_preferred(dtype):
-            return NativeBackend(cpu_attention.paged_decode_attention, prefill=cpu_attention.paged_prefill_attention,
-                                 shares_prefixes=True)
-        return NativeBackend(cpu_attention.paged_decode_attention, shares_prefixes=True)
+            return NativeBackend(amx_attention.paged_decode_attention, amx_attention.paged_prefill_attention,
+                                 decode_fallback=cpu_attention.paged_decode_attention, shares_prefixes=True)
+        prefill = cpu_attention.paged_prefill_attention if cpu_attention.prefill_is_preferred(dtype) else None
+        return NativeBackend(cpu_attention.paged_decode_attention, prefill, shares_prefixes=True)
     if device.type == "cuda":
         from batchgen.kernels import cuda_attention
 

@@ -1,7 +1,7 @@
 """CUDA paged-attention decode: a Triton kernel that reads the paged KV cache in place.
 
-Same contract as ``cpu_attention.paged_decode_attention``: one query token per sequence
-attends over its K/V, found through its block table, with no per-step gather.
+`attention_kernel`'s contract, decode: one query token per sequence attends over its K/V,
+found through its block table, with no per-step gather.
 
 Work split. One program handles one (sequence, kv head, split): it loads each [BLOCK_N,
 head_dim] K and V tile once (BLOCK_N tokens spanning several cache blocks, each token row a
@@ -51,7 +51,7 @@ import math
 
 import torch
 
-from batchgen.kernels.decode_inputs import check_decode_inputs
+from batchgen.kernels.attention_kernel import PagedSeqs, check_inputs
 
 try:
     import triton
@@ -255,66 +255,36 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
-    """The shared contract, plus: `out` like q, unit last strides, contiguous caches, one device."""
-    check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and context_lens.is_contiguous()):
-        raise ValueError("k_cache, v_cache and context_lens must be contiguous")
-    if q.stride(2) != 1 or out.stride(2) != 1 or block_tables.stride(1) != 1:
-        raise ValueError("q, out and block_tables must have unit stride in their last dimension")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens, out)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+def _runs_on(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
+             out: torch.Tensor) -> bool:
+    """Whether the kernel reads these tensors' layout: contiguous caches, context lengths and
+    groups; unit last strides of q, out and the block tables (their rows may be strided)."""
+    return (k_cache.is_contiguous() and v_cache.is_contiguous() and seqs.context_lens.is_contiguous()
+            and (seqs.groups is None or seqs.groups.is_contiguous())
+            and q.stride(2) == 1 and out.stride(2) == 1 and seqs.block_tables.stride(1) == 1)
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    groups: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged K/V.
-
-    ``q``: [num_seqs, num_heads, head_dim] (any row strides, unit last stride), the token at
-    position ``context_lens[s] - 1`` whose own K/V are already in the cache;
-    ``k_cache``/``v_cache``: [num_blocks, block_size, num_kv_heads, head_dim], contiguous;
-    ``block_tables``: [num_seqs, max_blocks] int32; ``context_lens``: [num_seqs] int32, each in
-    [1, max_blocks * block_size]. Query head ``h`` reads kv head ``h // (num_heads //
-    num_kv_heads)``. Returns [num_seqs, num_heads, head_dim] in ``q``'s dtype: ``out`` when
-    given, else a new tensor. ``num_splits`` overrides the split-K choice (tests use it).
-
-    ``groups`` (int32 [G, 3] rows (first, end, prefix_tokens), `shared_prefixes.prefix_groups`;
-    rows with first == end are empty): sequences first..end-1 hold the same blocks for their
-    first prefix_tokens tokens, which are then read once for all of them (cascade attention);
-    each member attends its own tokens from prefix_tokens on, and the two parts are merged.
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
+                           scale: float, out: torch.Tensor) -> bool:
+    """Decode attention under `attention_kernel`'s contract. A group's prefix is read once for all
+    its members (cascade attention): each member attends its own tokens from prefix_tokens on,
+    and the two parts are merged; group rows with first == end are empty (a CUDA graph's
+    fixed-size group buffer). Does not run without Triton or on a layout `_runs_on` refuses.
     """
     if triton is None:
-        raise RuntimeError("the CUDA paged-attention kernel needs Triton, which is not installed")
-    if out is None:
-        out = torch.empty_like(q)
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+        return False
+    check_inputs(q, k_cache, v_cache, seqs, out)
+    if not _runs_on(q, k_cache, v_cache, seqs, out):
+        return False
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if groups is not None and (groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[1] != 3
-                               or not groups.is_contiguous() or groups.device != q.device):
-        raise ValueError(f"groups must be a contiguous int32 [num_groups, 3] tensor on {q.device}, got "
-                         f"{groups.dtype} {tuple(groups.shape)} on {groups.device}")
     if num_seqs == 0:
-        return out
+        return True
+    block_tables, context_lens, groups = seqs.block_tables, seqs.context_lens, seqs.groups
     group = num_heads // num_kv_heads
     block_d, block_n, num_warps, num_stages = launch_config(head_dim)
     max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, block_n, _num_sms(q.device))
-    elif num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, block_n, _num_sms(q.device))
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, tokens_per_split)  # no split left without a token
     num_parts = 2 * num_splits if groups is not None else num_splits  # a member's prefix parts follow its own
@@ -326,7 +296,7 @@ def paged_decode_attention(
     shapes = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
                   num_stages=num_stages)
-    num_groups = 0 if groups is None else len(groups)
+    num_groups = seqs.num_groups
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if groups is None else groups, out, part_out,
         part_lse, scale * LOG2_E, tokens_per_split, num_parts, num_groups, *strides, out.stride(0), out.stride(1),
@@ -344,5 +314,4 @@ def paged_decode_attention(
             part_out, part_lse, out, num_parts, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(num_parts), num_warps=1,
         )
-    return out
-
+    return True

@@ -1,4 +1,4 @@
-"""Random paged-KV decode inputs and the float64 reference both decode kernels are tested against."""
+"""Random paged-KV inputs and the float64 references the decode and prefill kernels are tested against."""
 
 from __future__ import annotations
 
@@ -25,6 +25,26 @@ def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
         scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
         out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
     return out
+
+
+def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
+    """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
+    outputs = []
+    for s, (context, num_queries) in enumerate(zip(context_lens.tolist(), query_lens)):
+        positions = torch.arange(context)
+        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
+        keys = flat_k[slots].repeat_interleave(group, dim=1)  # [context, H, D]
+        values = flat_v[slots].repeat_interleave(group, dim=1)
+        queries = q[sum(query_lens[:s]):sum(query_lens[:s + 1])].double()  # [Q, H, D]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        query_pos = torch.arange(context - num_queries, context)[:, None]
+        scores = scores.masked_fill(positions[None] > query_pos, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
+    return torch.cat(outputs)
 
 
 def make_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", pad=0,

@@ -13,8 +13,9 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import amx_attention
-from batchgen.kernels.attention import AmxBackend, AttentionMetadata, ReferenceBackend, make_backend
+from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels.attention import AttentionMetadata, NativeBackend, ReferenceBackend, make_backend
+from batchgen.kernels.attention_kernel import PagedSeqs
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import tiny_model
 from tests.kernels.paged_inputs import shuffled_tables
@@ -66,14 +67,21 @@ def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens):
     return out
 
 
+def int32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def prefill_seqs(block_tables, context_lens, query_starts, query_lens, groups=None) -> PagedSeqs:
+    return PagedSeqs(block_tables, int32(context_lens), None if groups is None else int32(groups).reshape(-1, 3),
+                     int32(query_starts), int32(query_lens))
+
+
 def attend(q, k_cache, v_cache, block_tables, context_lens, query_lens, groups=None):
-    lens = torch.tensor(query_lens, dtype=torch.int32)
-    starts = (lens.cumsum(0) - lens).to(torch.int32)
+    starts = [sum(query_lens[:s]) for s in range(len(query_lens))]
     out = torch.full_like(q, float("nan"))
-    group_rows = None if groups is None else torch.tensor(groups, dtype=torch.int32).reshape(-1, 3)
-    assert amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                                 torch.tensor(context_lens, dtype=torch.int32), starts, lens, SCALE,
-                                                 out, group_rows)
+    assert amx_attention.paged_prefill_attention(q, k_cache, v_cache,
+                                                 prefill_seqs(block_tables, context_lens, starts, query_lens, groups),
+                                                 SCALE, out)
     return out
 
 
@@ -116,9 +124,8 @@ def test_a_groups_rows_need_not_be_adjacent_and_other_rows_are_left_alone():
     gapped = torch.cat([q[:1], torch.zeros_like(q[:1]), q[1:]])  # row 1 is no chunk's
     out = torch.full_like(gapped, float("nan"))
     assert amx_attention.paged_prefill_attention(
-        gapped, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32),
-        torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor(query_lens, dtype=torch.int32), SCALE, out,
-        torch.tensor([[0, 3, 32]], dtype=torch.int32))
+        gapped, k_cache, v_cache, prefill_seqs(block_tables, context_lens, [0, 2, 3], query_lens, [(0, 3, 32)]), SCALE,
+        out)
     assert out[1].isnan().all()
     expected = reference(q, k_cache, v_cache, block_tables, context_lens, query_lens)
     assert bf16_error(torch.cat([out[:1], out[2:]]), expected) < 2
@@ -154,22 +161,25 @@ def test_bad_groups_are_refused(groups, message):
 
 def test_what_it_does_not_run_is_left_to_the_caller():
     q, k_cache, v_cache, block_tables = paged_step([8], [8])
-    lens = torch.tensor([8], dtype=torch.int32)
-    starts = torch.zeros(1, dtype=torch.int32)
+    seqs = prefill_seqs(block_tables, [8], [0], [8])
     for args in ((q.float(), k_cache.float(), v_cache.float()), (q[..., :32], k_cache[..., :32], v_cache[..., :32]),
                  (q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache)):
-        out = torch.empty_like(args[0])
-        assert not amx_attention.paged_prefill_attention(*args, block_tables, lens, starts, lens, SCALE, out)
+        out = torch.full_like(args[0], float("nan"))
+        assert not amx_attention.paged_prefill_attention(*args, seqs, SCALE, out)
+        assert out.isnan().all()
     with pytest.raises(ValueError, match="context length"):
-        amx_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, starts, lens + 1, SCALE,
+        amx_attention.paged_prefill_attention(q, k_cache, v_cache, prefill_seqs(block_tables, [8], [0], [9]), SCALE,
                                               torch.empty_like(q))
+
+
+def decode_seqs(block_tables, context_lens, groups=None) -> PagedSeqs:
+    return PagedSeqs(block_tables, int32(context_lens), None if groups is None else int32(groups).reshape(-1, 3))
 
 
 def decode(q, k_cache, v_cache, block_tables, context_lens, groups=None):
     out = torch.full_like(q, float("nan"))
-    group_rows = None if groups is None else torch.tensor(groups, dtype=torch.int32).reshape(-1, 3)
-    assert amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                torch.tensor(context_lens, dtype=torch.int32), SCALE, out, group_rows)
+    assert amx_attention.paged_decode_attention(q, k_cache, v_cache, decode_seqs(block_tables, context_lens, groups),
+                                                SCALE, out)
     return out
 
 
@@ -221,18 +231,19 @@ def test_decode_refuses_bad_groups(groups):
 
 
 def test_decode_leaves_what_it_does_not_run_to_the_caller_and_names_bad_input():
-    q, k_cache, v_cache, block_tables = paged_step([20, 30], [1, 1], block_size=4)
-    lens, out = torch.tensor([20, 30], dtype=torch.int32), torch.empty_like(q)
-    assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, out)  # block size 4
-    q, k_cache, v_cache, block_tables = paged_step([20, 30], [1, 1], num_heads=17, num_kv_heads=1)
-    assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE,
-                                                    torch.empty_like(q))  # 17 query heads to a kv head
+    for shape in (dict(block_size=4), dict(num_heads=17, num_kv_heads=1)):  # 17 query heads to a kv head
+        q, k_cache, v_cache, block_tables = paged_step([20, 30], [1, 1], **shape)
+        out = torch.full_like(q, float("nan"))
+        assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, decode_seqs(block_tables, [20, 30]),
+                                                        SCALE, out)
+        assert out.isnan().all()
     q, k_cache, v_cache, block_tables = paged_step([20, 30], [1, 1])
+    out = torch.empty_like(q)
     with pytest.raises(ValueError, match="context length"):
-        amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens * 0, SCALE, out)
+        amx_attention.paged_decode_attention(q, k_cache, v_cache, decode_seqs(block_tables, [0, 0]), SCALE, out)
     block_tables[1, 1] = len(k_cache)
     with pytest.raises(ValueError, match="block"):
-        amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, out)
+        amx_attention.paged_decode_attention(q, k_cache, v_cache, decode_seqs(block_tables, [20, 30]), SCALE, out)
 
 
 def test_the_backend_decodes_on_the_avx512_kernel_where_the_amx_one_does_not_apply():
@@ -245,10 +256,10 @@ def test_the_backend_decodes_on_the_avx512_kernel_where_the_amx_one_does_not_app
                              context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=block_tables,
                              block_tables_list=block_tables.tolist(), num_decode_seqs=3, block_size=4,
                              decode_groups=torch.tensor([[0, 2, 32]], dtype=torch.int32))
-    assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, meta.context_lens, SCALE,
-                                                    torch.empty_like(q), meta.decode_groups)
+    assert not amx_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_seqs, SCALE, torch.empty_like(q))
     out = torch.full_like(q, float("nan"))
-    AmxBackend().forward(q, None, None, k_cache, v_cache, meta, SCALE, out)
+    make_backend("auto", torch.device("cpu"), torch.bfloat16, HEAD_DIM).forward(q, None, None, k_cache, v_cache, meta,
+                                                                                SCALE, out)
     assert bf16_error(out, reference(q, k_cache, v_cache, block_tables, context_lens, [1] * 3)) < 2
 
 
@@ -285,7 +296,10 @@ def shared_prefix_step_logits(model, backend=None, fused: bool = True) -> torch.
 
 @pytest.mark.parametrize("fused", [True, False])  # the fused step, and transformers' forward (q a transpose)
 def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend(monkeypatch, fused):
-    assert isinstance(make_backend("auto", torch.device("cpu"), torch.bfloat16, HEAD_DIM), AmxBackend)
+    backend = make_backend("auto", torch.device("cpu"), torch.bfloat16, HEAD_DIM)
+    assert isinstance(backend, NativeBackend) and backend.decode is amx_attention.paged_decode_attention
+    assert backend.prefill is amx_attention.paged_prefill_attention
+    assert backend.decode_fallback is cpu_attention.paged_decode_attention
     model = tiny_model(hidden_size=256)  # head_dim 64
     expected = shared_prefix_step_logits(model, fused=fused)
     bf16_model = model.to(torch.bfloat16)
@@ -293,10 +307,10 @@ def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend
     groups_seen = []
 
     def recording(kernel):
-        def record(*args, **kwargs):
-            groups = kwargs.get("groups", args[-1])
-            groups_seen.extend((kernel.__name__, group) for group in ([] if groups is None else groups.tolist()))
-            return kernel(*args, **kwargs)
+        def record(q, k_cache, v_cache, seqs, scale, out):
+            groups = [] if seqs.groups is None else seqs.groups.tolist()
+            groups_seen.extend((kernel.__name__, group) for group in groups)
+            return kernel(q, k_cache, v_cache, seqs, scale, out)
         return record
 
     for kernel in (amx_attention.paged_prefill_attention, amx_attention.paged_decode_attention):

@@ -8,10 +8,19 @@ import pytest
 import torch
 
 from batchgen.kernels import cpu_attention
-from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention, shared_prefix_inputs
+from batchgen.kernels.attention_kernel import PagedSeqs
+from tests.kernels.paged_inputs import (BLOCK_SIZE, make_inputs, reference_attention, reference_prefill,
+                                       shared_prefix_inputs)
 
 pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the kernel")
 
+
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, groups=None):
+    """The decode kernel's output (NaN where it wrote nothing), asserting that it ran."""
+    out = torch.full_like(q, float("nan"))
+    assert cpu_attention.paged_decode_attention(q, k_cache, v_cache, PagedSeqs(block_tables, context_lens, groups),
+                                                scale, out)
+    return out
 
 
 # Builds as CPUs without AVX-512 run the kernel: "avx2" has the vector code on 8 lanes (decode rows,
@@ -56,9 +65,7 @@ def test_matches_reference(build, dtype, atol, rtol, num_heads, num_kv_heads, he
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
         CONTEXT_LENS, num_heads, num_kv_heads, head_dim, dtype, seed, pad=-1)
     scale = head_dim ** -0.5
-    out = torch.full_like(q, float("nan"))
-    result = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
-    assert result is out and result.dtype == dtype
+    out = decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     assert not torch.isnan(out).any()
     expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
@@ -71,14 +78,14 @@ def test_block_sizes_off_the_kernels_16_key_groups_match_reference(build, dtype,
     on AVX2)."""
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(
         CONTEXT_LENS, 9, 3, 64, dtype, seed=41, pad=-1, block_size=block_size)
-    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    out = decode(q, k_cache, v_cache, block_tables, context_lens, 0.125)
     expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
     assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
 
 
 def test_single_token_context_returns_its_value(build):
     q, k_cache, v_cache, block_tables, context_lens = make_inputs([1], 6, 2, 32, torch.float32, seed=1, pad=-1)
-    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+    out = decode(q, k_cache, v_cache, block_tables, context_lens, 0.1)
     value = v_cache[int(block_tables[0, 0]), 0]                     # [num_kv_heads, head_dim]
     assert torch.equal(out[0], value.repeat_interleave(3, dim=0))
 
@@ -90,7 +97,7 @@ def test_thread_counts_agree_with_reference(build, monkeypatch, num_threads):
     q, k_cache, v_cache, block_tables, lens = make_inputs(context_lens, 9, 3, 64, torch.float32, seed=num_threads, pad=-1)
     expected = reference_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
     monkeypatch.setattr(torch, "get_num_threads", lambda: num_threads)
-    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
+    out = decode(q, k_cache, v_cache, block_tables, lens, 0.125)
     assert (out.double() - expected).abs().max().item() < 1e-5
 
 
@@ -98,25 +105,27 @@ def test_rejects_out_of_range_block_id():
     q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=3, pad=-1)
     block_tables[0, 1] = k_cache.shape[0]
     with pytest.raises(ValueError, match="block table entry"):
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+        decode(q, k_cache, v_cache, block_tables, context_lens, 0.1)
 
 
 def test_rejects_context_longer_than_block_table():
     q, k_cache, v_cache, block_tables, _ = make_inputs([20], 4, 4, 32, torch.float32, seed=4, pad=-1)
     too_long = torch.tensor([block_tables.shape[1] * BLOCK_SIZE + 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="context length"):
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, too_long, 0.1)
+        decode(q, k_cache, v_cache, block_tables, too_long, 0.1)
 
 
-def test_rejects_mismatched_inputs():
+def test_rejects_mismatched_inputs_and_leaves_a_strided_pool_to_the_caller():
     q, k_cache, v_cache, block_tables, context_lens = make_inputs([20], 4, 4, 32, torch.float32, seed=5, pad=-1)
     with pytest.raises(ValueError, match="dtype"):
-        cpu_attention.paged_decode_attention(q.bfloat16(), k_cache, v_cache, block_tables, context_lens, 0.1)
+        decode(q.bfloat16(), k_cache, v_cache, block_tables, context_lens, 0.1)
     with pytest.raises(ValueError, match="block_tables must be int32"):
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables.long(), context_lens, 0.1)
-    with pytest.raises(ValueError, match="contiguous"):
-        strided_k_cache = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-        cpu_attention.paged_decode_attention(q, strided_k_cache, v_cache, block_tables, context_lens, 0.1)
+        decode(q, k_cache, v_cache, block_tables.long(), context_lens, 0.1)
+    strided_k_cache = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    out = torch.full_like(q, float("nan"))
+    assert not cpu_attention.paged_decode_attention(q, strided_k_cache, v_cache, PagedSeqs(block_tables, context_lens),
+                                                    0.1, out)
+    assert out.isnan().all()
 
 
 def test_missing_compiler_makes_kernel_unavailable(monkeypatch):
@@ -124,9 +133,9 @@ def test_missing_compiler_makes_kernel_unavailable(monkeypatch):
     cpu_attention._load_kernel.cache_clear()
     try:
         assert cpu_attention.is_available() is False
-        with pytest.raises(RuntimeError, match="unavailable"):
-            q, k_cache, v_cache, block_tables, context_lens = make_inputs([5], 2, 1, 32, torch.float32, seed=6, pad=-1)
-            cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+        q, k_cache, v_cache, block_tables, context_lens = make_inputs([5], 2, 1, 32, torch.float32, seed=6, pad=-1)
+        assert not cpu_attention.paged_decode_attention(q, k_cache, v_cache, PagedSeqs(block_tables, context_lens),
+                                                        0.1, torch.empty_like(q))
     finally:
         cpu_attention._load_kernel.cache_clear()
 
@@ -151,8 +160,7 @@ def test_shared_prefix_groups_give_the_same_attention(build, dtype, atol, rtol, 
     q, k_cache, v_cache, block_tables, contexts = shared_prefix_inputs(dtype, 21, num_heads, num_kv_heads, head_dim,
                                                                        block_size)
     groups = torch.tensor([[0, 20, 6 * block_size - 3], [20, 22, block_size]], dtype=torch.int32)
-    out = torch.full_like(q, float("nan"))
-    cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125, out=out, groups=groups)
+    out = decode(q, k_cache, v_cache, block_tables, contexts, 0.125, groups)
     expected = reference_attention(q, k_cache, v_cache, block_tables, contexts, 0.125)
     assert not torch.isnan(out).any()
     assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
@@ -170,28 +178,7 @@ def test_shared_prefix_groups_give_the_same_attention(build, dtype, atol, rtol, 
 def test_bad_shared_prefix_groups_are_refused(build, groups):
     q, k_cache, v_cache, block_tables, contexts = shared_prefix_inputs(torch.float32, seed=22)
     with pytest.raises(ValueError, match="shared-prefix group"):
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, contexts, 0.125,
-                                             groups=torch.tensor(groups, dtype=torch.int32))
-
-
-def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
-    """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = q.shape[1] // num_kv_heads
-    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
-    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
-    outputs = []
-    for s, (context, num_queries) in enumerate(zip(context_lens.tolist(), query_lens)):
-        positions = torch.arange(context)
-        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
-        keys = flat_k[slots].repeat_interleave(group, dim=1)  # [context, H, D]
-        values = flat_v[slots].repeat_interleave(group, dim=1)
-        queries = q[sum(query_lens[:s]):sum(query_lens[:s + 1])].double()  # [Q, H, D]
-        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
-        query_pos = torch.arange(context - num_queries, context)[:, None]
-        scores = scores.masked_fill(positions[None] > query_pos, float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
-    return torch.cat(outputs)
+        decode(q, k_cache, v_cache, block_tables, contexts, 0.125, torch.tensor(groups, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
@@ -207,8 +194,9 @@ def test_prefill_matches_reference(prefill_build, dtype, atol, rtol, num_heads, 
     q = torch.randn((sum(query_lens), num_heads, head_dim), generator=torch.Generator().manual_seed(32)).to(dtype)
     out = torch.full_like(q, float("nan"))
     starts = torch.tensor([0, 37, 54, 55, 205], dtype=torch.int32)
-    assert cpu_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, contexts, starts,
-                                                 torch.tensor(query_lens, dtype=torch.int32), 0.125, out)
+    seqs = PagedSeqs(block_tables, contexts, query_starts=starts,
+                     query_lens=torch.tensor(query_lens, dtype=torch.int32))
+    assert cpu_attention.paged_prefill_attention(q, k_cache, v_cache, seqs, 0.125, out)
     expected = reference_prefill(q, k_cache, v_cache, block_tables, contexts, query_lens, 0.125)
     assert not torch.isnan(out).any()
     assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
@@ -216,7 +204,8 @@ def test_prefill_matches_reference(prefill_build, dtype, atol, rtol, num_heads, 
 
 def test_prefill_declines_what_it_cannot_run(build):
     q, k_cache, v_cache, block_tables, contexts = make_inputs([20], 4, 2, 40, torch.float32, seed=33)
-    args = (block_tables, contexts, torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 0.1)
-    assert not cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *args, torch.empty_like(q))  # head_dim 40
+    seqs = PagedSeqs(block_tables, contexts, query_starts=torch.tensor([0], dtype=torch.int32),
+                     query_lens=torch.tensor([1], dtype=torch.int32))
+    assert not cpu_attention.paged_prefill_attention(q, k_cache, v_cache, seqs, 0.1, torch.empty_like(q))  # head_dim 40
     q16, k16, v16 = (t.to(torch.float16) for t in (q, k_cache, v_cache))
-    assert not cpu_attention.paged_prefill_attention(q16, k16, v16, *args, torch.empty_like(q16))
+    assert not cpu_attention.paged_prefill_attention(q16, k16, v16, seqs, 0.1, torch.empty_like(q16))

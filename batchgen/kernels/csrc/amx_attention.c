@@ -4,11 +4,7 @@
  * CPU has AMX-BF16 (elsewhere every call returns STATUS_UNSUPPORTED and
  * bg_amx_attention_available says 0).
  *
- * Layout (as paged_attention.c): q, out [rows, num_heads, 64]; k_cache, v_cache [num_blocks,
- * block_size, num_kv_heads, 64]; block_tables [num_seqs, max_blocks] int32; sequence s's
- * queries are packed rows query_starts[s] .. + query_lens[s], the last query_lens[s] of its
- * context_lens[s] positions, whose K/V are in the pool. Query head h reads kv head
- * h / (num_heads / num_kv_heads).
+ * Layout, signature and statuses: attention_kernel.h, status.h (head_dim 64, dtype bfloat16).
  *
  * Units and segments. A group (first, end, prefix) is adjacent sequences whose contexts hold
  * the same blocks for their first `prefix` positions and whose queries all come after them
@@ -44,14 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum {
-    STATUS_OK = 0,
-    STATUS_BAD_CONTEXT_LEN = 1,
-    STATUS_BAD_BLOCK_ID = 2,
-    STATUS_UNSUPPORTED = 3,
-    STATUS_NO_MEMORY = 4,
-    STATUS_BAD_GROUP = 5
-};
+#include "attention_kernel.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -931,11 +920,14 @@ static int run_decode_items(const DecodeProblem *p, const DecodeItem *items, int
  * the same blocks for positions [0, prefix), 0 < prefix < each one's context; the prefix is
  * attended once for up to 16 / group of them. On STATUS_OK every element of `out` is written. */
 int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_heads,
-                            int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
-                            float scale, int num_threads, const int32_t *groups, int num_groups) {
+                            const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
+                            const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
+                            int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
+                            int max_blocks, float scale, int dtype, int num_threads) {
+    (void)query_starts, (void)query_lens; /* decode: query row s is sequence s's */
     int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-    if (head_dim != HEAD_DIM || block_size % KEY_TILE || group < 1 || group > MAX_COLUMNS || !amx_tiles_granted())
+    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || block_size % KEY_TILE || group < 1 || group > MAX_COLUMNS
+        || !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
     DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                        block_tables, context_lens, num_heads, num_kv_heads, group, num_blocks, block_size,
@@ -960,10 +952,10 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
  * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
 int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                             const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                             int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
-                             const int32_t *groups, int num_groups) {
-    if (head_dim != HEAD_DIM || !amx_tiles_granted()) return STATUS_UNSUPPORTED;
+                             const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
+                             int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
+                             int max_blocks, float scale, int dtype, int num_threads) {
+    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || !amx_tiles_granted()) return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f};
@@ -995,22 +987,23 @@ int bg_amx_attention_available(void) { return 0; }
 
 int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                             const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                             int num_blocks, int block_size, int max_blocks, float scale, int num_threads,
-                             const int32_t *groups, int num_groups) {
+                             const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
+                             int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
+                             int max_blocks, float scale, int dtype, int num_threads) {
     (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
-    (void)query_lens, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks;
-    (void)block_size, (void)max_blocks, (void)scale, (void)num_threads, (void)groups, (void)num_groups;
+    (void)query_lens, (void)groups, (void)num_seqs, (void)num_groups, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks, (void)scale, (void)dtype, (void)num_threads;
     return STATUS_UNSUPPORTED;
 }
 
 int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_heads,
-                            int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
-                            float scale, int num_threads, const int32_t *groups, int num_groups) {
-    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)num_seqs;
-    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks;
-    (void)scale, (void)num_threads, (void)groups, (void)num_groups;
+                            const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
+                            const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
+                            int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
+                            int max_blocks, float scale, int dtype, int num_threads) {
+    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
+    (void)query_lens, (void)groups, (void)num_seqs, (void)num_groups, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks, (void)scale, (void)dtype, (void)num_threads;
     return STATUS_UNSUPPORTED;
 }
 

@@ -3,14 +3,7 @@
  * chunks attend to their sequence's keys and values, read in place from the
  * paged KV cache.
  *
- * Layout (fixed by the engine):
- *   q, out            [num_seqs, num_heads, head_dim]
- *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
- *   block_tables      [num_seqs, max_blocks] int32
- *   context_lens      [num_seqs] int32
- * Token position p of sequence s lives in slot
- *   block_tables[s][p / block_size] * block_size + p % block_size.
- * Query head h reads kv head h / (num_heads / num_kv_heads).
+ * Layout, signature and statuses: attention_kernel.h, status.h.
  *
  * Decode work is split over sequences; a sequence is read 64 tokens at a time,
  * every kv head's rows of a chunk together (each block's rows of every kv head
@@ -41,17 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_kernel.h"
 #include "vector_math.h"
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-enum {
-    STATUS_OK = 0,
-    STATUS_BAD_CONTEXT_LEN = 1,
-    STATUS_BAD_BLOCK_ID = 2,
-    STATUS_BAD_DTYPE = 3,
-    STATUS_NO_MEMORY = 4,
-    STATUS_BAD_GROUP = 5
-};
 
 #define CHUNK_TOKENS 64
 #define LOG2E 1.4426950408889634f
@@ -1075,17 +1059,17 @@ static int attend_shared_prefix(const Problem *p, int first, int num_members, in
 static int is_vector_problem(const Problem *p) { (void)p; return 0; }
 static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s) {
     (void)p, (void)seq, (void)next_seq, (void)s;
-    return STATUS_BAD_DTYPE;
+    return STATUS_UNSUPPORTED;
 }
 static int attend_prefill_tile(const Problem *p, int seq, int query_start, int query_len, int tile_start, int kv_head,
                                Scratch *s) {
     (void)p, (void)seq, (void)query_start, (void)query_len, (void)tile_start, (void)kv_head, (void)s;
-    return STATUS_BAD_DTYPE;
+    return STATUS_UNSUPPORTED;
 }
 static int attend_shared_prefix(const Problem *p, int first, int num_members, int prefix, int kv_head, float *state,
                                 Scratch *s) {
     (void)p, (void)first, (void)num_members, (void)prefix, (void)kv_head, (void)state, (void)s;
-    return STATUS_BAD_DTYPE;
+    return STATUS_UNSUPPORTED;
 }
 #endif
 
@@ -1141,13 +1125,6 @@ static int shared_prefix_tiles(const int32_t *groups, int num_groups, int32_t *t
     return num_tiles;
 }
 
-/* Entry point. Returns a STATUS_* code; on STATUS_OK every element of `out`
- * has been written. Runs on `num_threads` OpenMP threads.
- *
- * `groups` (num_groups rows (first, end, prefix_tokens), see groups_are_valid): decode sequences
- * first .. end - 1 share their first prefix_tokens tokens. That prefix is attended once for all
- * members (cascade attention: a tile of up to PREFILL_TILE members, its K and V read once), then
- * each sequence continues from that state over its own tokens. The result is the same attention. */
 /* The next work item of a shared counter, for the thread that calls. */
 static inline int claim_item(int *next_item) {
     int item;
@@ -1156,15 +1133,23 @@ static inline int claim_item(int *next_item) {
     return item;
 }
 
+/* Decode entry point (attention_kernel.h). Returns a STATUS_* code; on STATUS_OK every element
+ * of `out` has been written. Runs on `num_threads` OpenMP threads.
+ *
+ * `groups` (num_groups rows (first, end, prefix_tokens), see groups_are_valid): decode sequences
+ * first .. end - 1 share their first prefix_tokens tokens. That prefix is attended once for all
+ * members (cascade attention: a tile of up to PREFILL_TILE members, its K and V read once), then
+ * each sequence continues from that state over its own tokens. The result is the same attention. */
 int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                              const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
-                              int num_heads, int num_kv_heads, int head_dim, int num_blocks,
-                              int block_size, int max_blocks, float scale, int dtype, int num_threads,
-                              const int32_t *groups, int num_groups) {
+                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
+                              const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
+                              int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
+                              int max_blocks, float scale, int dtype, int num_threads) {
+    (void)query_starts, (void)query_lens; /* decode: query row s is sequence s's */
 #ifndef __FLT16_MAX__
-    if (dtype == DTYPE_F16) return STATUS_BAD_DTYPE;
+    if (dtype == DTYPE_F16) return STATUS_UNSUPPORTED;
 #endif
-    if (dtype < DTYPE_F32 || dtype > DTYPE_F16) return STATUS_BAD_DTYPE;
+    if (dtype < DTYPE_F32 || dtype > DTYPE_F16) return STATUS_UNSUPPORTED;
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
     if (!groups_are_valid(&p, groups, num_groups)) return STATUS_BAD_GROUP;
@@ -1244,12 +1229,13 @@ int bg_prefill_supported(int dtype, int head_dim) {
  * context_lens[s] positions. Work items are (sequence, tile of PREFILL_TILE tokens, kv head). */
 int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                                const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                               const int32_t *query_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                               int num_blocks, int block_size, int max_blocks, float scale, int dtype,
-                               int num_threads) {
+                               const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
+                               int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
+                               int max_blocks, float scale, int dtype, int num_threads) {
+    (void)groups, (void)num_groups; /* each chunk attends its whole context itself */
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
-    if (!is_vector_problem(&p)) return STATUS_BAD_DTYPE;
+    if (!is_vector_problem(&p)) return STATUS_UNSUPPORTED;
     int num_tiles = 0;
     for (int seq = 0; seq < num_seqs; seq++) {
         if (query_lens[seq] < 1) return STATUS_BAD_CONTEXT_LEN;
@@ -1290,14 +1276,6 @@ int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, co
  * AMX tiles, is the faster bf16 prefill (cpu_attention.prefill_is_preferred). */
 int bg_has_amx_bf16(void) {
 #if defined(__AMX_BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-int bg_supports_float16(void) {
-#ifdef __FLT16_MAX__
     return 1;
 #else
     return 0;

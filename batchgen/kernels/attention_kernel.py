@@ -1,0 +1,133 @@
+"""The one contract of the paged attention kernels. Every kernel, decode (with or without a
+shared-prefix cascade) or prefill, on every backend (C portable / AVX, AMX, Triton, torch), is
+called as
+
+    kernel(q, k_cache, v_cache, seqs, scale, out) -> bool
+
+with the step's sequences described once, by `PagedSeqs`. It writes the attention of every query
+row of `seqs` into `out` and returns True, or returns False having written nothing where it does
+not run these tensors (not built or not available here; a dtype, head size, block size or layout
+it has no code for): its caller then runs another path. Inputs that break the contract raise
+ValueError (`check_inputs`, or the kernel's status: `kernel_status`).
+
+Tensors: q and out [rows, num_heads, head_dim], one float dtype (float32, bfloat16, float16);
+k_cache and v_cache [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype, num_heads a
+multiple of num_kv_heads; query head h reads kv head h // (num_heads // num_kv_heads). Token
+position p of sequence s lives in slot block_tables[s, p // block_size] * block_size +
+p % block_size. The C kernels take every tensor contiguous, in the order of
+``csrc/attention_kernel.h`` (`c_arguments`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.kernels.kernel_status import check_status
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # attention_kernel.h's DTYPE_*
+C_ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2
+
+
+@dataclass(frozen=True)
+class PagedSeqs:
+    """A step's sequences over the paged K/V pool, as every attention kernel takes them.
+
+    Decode (no `query_starts`): sequence s's one query is row s of q, at position
+    context_lens[s] - 1. Prefill: chunk s's queries are rows query_starts[s] .. + query_lens[s]
+    of q, the last query_lens[s] of its context_lens[s] positions; other rows of out are left
+    alone. Either way the K/V of every context position, the queries' own included, are in the
+    pool.
+
+    `groups` rows (first, end, prefix_tokens), in order and disjoint (`shared_prefixes`):
+    sequences first..end-1 (at least two) hold the same blocks for their first prefix_tokens
+    positions, before every query of theirs. A kernel may read that prefix once for all of them
+    (cascade attention) or ignore the rows: the attention is the same.
+    """
+
+    block_tables: torch.Tensor  # int32 [S, max_blocks]; entries past a sequence's context are never read
+    context_lens: torch.Tensor  # int32 [S], each in [1, max_blocks * block_size]
+    groups: torch.Tensor | None = None  # int32 [G, 3]
+    query_starts: torch.Tensor | None = None  # int32 [S], prefill only
+    query_lens: torch.Tensor | None = None  # int32 [S], prefill only
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_starts is None
+
+    @property
+    def num_groups(self) -> int:
+        return 0 if self.groups is None else len(self.groups)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor given."""
+        return [t for t in (self.block_tables, self.context_lens, self.groups, self.query_starts, self.query_lens)
+                if t is not None]
+
+
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedSeqs, float, torch.Tensor], bool]
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
+                 out: torch.Tensor) -> None:
+    """Cheap shape, dtype and device checks of a kernel call; a ValueError naming the problem."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q must be 3-D and k_cache/v_cache 4-D of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in DTYPES:
+        raise ValueError(f"q, k_cache, v_cache must share a float32/bfloat16/float16 dtype, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.shape[3] != q.shape[2] or q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)} "
+                         "(head_dim must match and num_heads be a multiple of num_kv_heads)")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)}")
+    if (seqs.query_lens is None) != seqs.is_decode:
+        raise ValueError("query_starts and query_lens are given together (prefill) or not at all (decode)")
+    num_seqs = len(q) if seqs.is_decode else len(seqs.query_starts)
+    tables = seqs.block_tables
+    if tables.dtype != torch.int32 or tables.dim() != 2 or tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], "
+                         f"got {tables.dtype} {tuple(tables.shape)}")
+    for name in ("context_lens", "query_starts", "query_lens"):
+        tensor = getattr(seqs, name)
+        if tensor is not None and (tensor.dtype != torch.int32 or tensor.shape != (num_seqs,)):
+            raise ValueError(f"{name} must be int32 [{num_seqs}], got {tensor.dtype} {tuple(tensor.shape)}")
+    if seqs.groups is not None and (seqs.groups.dtype != torch.int32 or seqs.groups.dim() != 2
+                                    or seqs.groups.shape[1] != 3):
+        raise ValueError(f"groups must be int32 [num_groups, 3], got {seqs.groups.dtype} {tuple(seqs.groups.shape)}")
+    devices = {t.device for t in (q, k_cache, v_cache, out, *seqs.tensors())}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def c_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs, scale: float,
+                out: torch.Tensor) -> tuple:
+    """A call's arguments in ``csrc/attention_kernel.h``'s order (`C_ARGTYPES`), on
+    ``torch.get_num_threads()`` threads."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
+            seqs.context_lens.data_ptr(), _pointer(seqs.query_starts), _pointer(seqs.query_lens),
+            _pointer(seqs.groups), len(seqs.context_lens), seqs.num_groups, q.shape[1], num_kv_heads, head_dim,
+            num_blocks, block_size, seqs.block_tables.shape[1], scale, DTYPE_CODES[q.dtype],
+            torch.get_num_threads())
+
+
+def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, seqs: PagedSeqs, scale: float, out: torch.Tensor) -> bool:
+    """A call of the C kernel `entry` (None: not built here) under the contract: the inputs
+    checked; False where a tensor is not a contiguous CPU tensor or the kernel does not run them."""
+    if entry is None:
+        return False
+    check_inputs(q, k_cache, v_cache, seqs, out)
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors())):
+        return False
+    return check_status(name, entry(*c_arguments(q, k_cache, v_cache, seqs, scale, out)))
