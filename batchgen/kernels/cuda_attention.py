@@ -174,8 +174,10 @@ if triton is not None:
         if IS_SPLIT:
             part_rows = (seq * (GROUP * tl.num_programs(1)) + heads) * num_parts + split
             _store_part(part_out_ptr, part_lse_ptr, part_rows, head_mask, acc, row_max, row_sum, HEAD_DIM, BLOCK_D)
-            if BLOCK_G > 0:  # an empty range: output 0, lse -inf
-                _store_part(part_out_ptr, part_lse_ptr, part_rows + num_parts // 2, head_mask & (num_memberships == 0),
+            if BLOCK_G > 0:  # an empty range: output 0, lse -inf (a tl.where mask: Triton 3.9's interpreter
+                # refuses `block & scalar` as a store mask)
+                _store_part(part_out_ptr, part_lse_ptr, part_rows + num_parts // 2,
+                            tl.where(num_memberships == 0, head_mask, False),
                             tl.zeros([BLOCK_H, BLOCK_D], tl.float32), tl.full([BLOCK_H], float("-inf"), tl.float32),
                             tl.zeros([BLOCK_H], tl.float32), HEAD_DIM, BLOCK_D)
         else:
