@@ -15,6 +15,12 @@ Invariants:
   disallowed logit to -inf, so a sampled token always keeps the output valid.
 - JSON is compiled without free whitespace and with ", " / ": " separators, so outputs are
   compact and end (a schema's own "x-guidance" options win).
+- A JSON schema runs as tight a grammar as llguidance can build, never a tighter one than the
+  schema: `oneOf` as `anyOf`, keywords llguidance does not implement (`not`, `if`/`then`/`else`,
+  `dependencies`, `uniqueItems`, ...) and formats it does not know left out. A complete output
+  is then checked against the exact schema with `jsonschema` (`output_error`); the caller makes
+  a violation the sample's error. So a JSON output that ends with STOP is valid under the schema.
+  A schema `jsonschema` itself calls invalid is refused like one that does not compile.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
+import jsonschema
 import llguidance
 import llguidance.hf
 import numpy as np
@@ -31,7 +38,8 @@ from llguidance import LLMatcher
 
 from batchgen.sampling_params import SamplingParams
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "coerce_one_of": True, "lenient": True}
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -41,8 +49,8 @@ def grammar_of(params: SamplingParams) -> str | None:
     if constraint is None:
         return None
     name, value = constraint
-    if name == "json_schema":
-        return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+    if name == "json_schema":  # as text: the schema may hold integers beyond 64 bits
+        return LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=JSON_OPTIONS)
     if name == "regex":
         return LLMatcher.grammar_from_regex(value)
     if name == "choice":
@@ -57,6 +65,7 @@ def check(params: SamplingParams) -> None:
     message = _validate(_checked_grammar(params))
     if message:
         raise ValueError(f"invalid {params.constraint[0]}: {message.strip()}")
+    _check_exact(params)
 
 
 def _checked_grammar(params: SamplingParams) -> str:
@@ -67,9 +76,46 @@ def _checked_grammar(params: SamplingParams) -> str:
         raise ValueError(f"invalid {params.constraint[0]}: {error}") from None
 
 
+def _check_exact(params: SamplingParams) -> None:
+    """ValueError when a JSON schema is not one `jsonschema` accepts (its outputs are checked with it)."""
+    if params.json_schema is not None:
+        _exact_validator(json.dumps(params.json_schema))
+
+
 @lru_cache(maxsize=MAX_CACHED_GRAMMARS)
 def _validate(grammar: str) -> str:
     return LLMatcher.validate_grammar(grammar)
+
+
+def output_error(params: SamplingParams, text: str, matcher: LLMatcher | None) -> str | None:
+    """Why a complete output is no valid match of its request's constraint, or None when it is:
+    the matcher hit a dead end (no token could go on, so it took EOS), or the text breaks the
+    JSON schema, checked exactly (see the module docstring)."""
+    if matcher is not None and matcher.is_error():
+        return f"the output reached a dead end of its {params.constraint[0]}: no token could continue it"
+    if params.json_schema is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        return f"the output is not JSON: {error}"
+    violation = jsonschema.exceptions.best_match(_exact_validator(json.dumps(params.json_schema)).iter_errors(value))
+    return None if violation is None else f"the output breaks json_schema at {violation.json_path}: {violation.message}"
+
+
+@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _exact_validator(schema_text: str) -> jsonschema.protocols.Validator:
+    """The `jsonschema` validator of a schema (the draft its `$schema` names, else 2020-12);
+    ValueError when the schema breaks its draft."""
+    schema = json.loads(schema_text)
+    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator_class.check_schema(schema)
+    except jsonschema.SchemaError as error:
+        has_draft = isinstance(schema, dict) and "$schema" in schema
+        draft = "" if has_draft else ", read as draft 2020-12: name yours in $schema"
+        raise ValueError(f"invalid json_schema: {error.message} (at {error.json_path} of the schema{draft})") from None
+    return validator_class(schema)
 
 
 class Constraints:
@@ -95,7 +141,16 @@ class Constraints:
             if len(self._compiled) >= MAX_CACHED_GRAMMARS:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[grammar] = template
+        _check_exact(params)
         return template.deep_copy()
+
+    def is_complete(self, matcher: LLMatcher, text: str) -> bool:
+        """Whether `text` is a complete match of the constraint `matcher` follows: a fresh copy of
+        `matcher` reads `text`'s tokens (any tokenization of an allowed text is allowed)."""
+        probe = matcher.deep_copy()
+        probe.reset()
+        token_ids = self._tokenizer.tokenize_str(text)
+        return probe.try_consume_tokens(token_ids) == len(token_ids) and probe.is_accepting()
 
     def start_masks(self, matchers: list[LLMatcher]) -> Future:
         """Fill one bitmask row per matcher in a background thread (the forward pass runs meanwhile);

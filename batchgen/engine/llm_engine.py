@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.constraints import Constraints
+from batchgen.engine.constraints import Constraints, output_error
 from batchgen.engine.logprobs import token_logprobs
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.request import Request
@@ -57,7 +57,8 @@ class LLMEngine:
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = min(max_context_len(text_config), num_blocks * config.block_size)
-        self.stop_checker = StopChecker(tokenizer, eos_token_ids(model, tokenizer), self.max_model_len)
+        self.stop_checker = StopChecker(tokenizer, eos_token_ids(model, tokenizer), self.max_model_len,
+                                        lambda matcher, text: self.constraints.is_complete(matcher, text))
         self._constraints: Constraints | None = None
         self._requests: dict[int, _Request] = {}
         self._finished: list[RequestOutput] = []
@@ -235,9 +236,11 @@ class LLMEngine:
         seq.metrics.finished_time = now
         request = self._requests[seq.request_id]
         text = self.stop_checker.output_text(seq)
+        error = output_error(seq.params, text, seq.constraint) if reason == FinishReason.STOP else None
+        reason = FinishReason.ERROR if error else reason
         logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
         request.completions.append(
-            CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, None, seq.metrics, logprobs))
+            CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, error, seq.metrics, logprobs))
         if len(request.completions) == request.n:
             del self._requests[seq.request_id]
             request.completions.sort(key=lambda c: c.index)

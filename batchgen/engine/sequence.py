@@ -69,6 +69,7 @@ class Sequence:
         self.output_logprobs: list = []  # TokenLogprobs of each generated token (params.logprobs)
         self.num_forks_pending = params.n - 1 if sample_index == 0 else 0
         self.stop_text_end: int | None = None
+        self.num_stop_checked_chars = 0  # output text searched for stop strings (see StopChecker)
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.last_token_time: float | None = None
 

@@ -74,8 +74,8 @@ KEY_COLUMNS = (  # read from the InputRow
 )
 SAMPLE_INDEX_COLUMN = OutputColumn(SAMPLE_INDEX, pa.int32(), False, lambda sample: sample.completion.index)
 RESULT_COLUMNS = (
-    OutputColumn("output_text", pa.string(), True,
-                 lambda sample: None if sample.is_error else sample.completion.text),
+    OutputColumn("output_text", pa.string(), True,  # None for a sample that failed before generating
+                 lambda sample: sample.completion.text if sample.completion.token_ids or not sample.is_error else None),
     OutputColumn(FINISH_REASON, pa.string(), False, lambda sample: FinishReason(sample.completion.finish_reason).value),
     OutputColumn("error", pa.string(), True,
                  lambda sample: (sample.completion.error or sample.output.error) if sample.is_error else None),

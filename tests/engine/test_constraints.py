@@ -1,5 +1,7 @@
 """Structured output: every complete constrained output is valid, greedy constrained output equals
-a direct transformers loop under the same masks, bad constraints fail their request alone."""
+a direct transformers loop under the same masks, bad constraints fail their request alone, a stop
+string ends a constrained output only where it is complete, JSON schemas beyond llguidance's
+grammar run and their outputs are checked against the exact schema."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import torch
 from llguidance import LLMatcher
 
 import llguidance.hf
-from batchgen import SamplingParams
-from batchgen.engine.constraints import grammar_of
+from batchgen import LLM, SamplingParams
+from batchgen.engine.constraints import check, grammar_of
 from batchgen.io.output_table import arrow_type_of_schema
+from tests.byte_model import byte_tokenizer, save_byte_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from constraint_workload import CHOICES, PERSON, REGEXES, SCHEMAS, chat, mixed_requests  # noqa: E402
@@ -112,7 +115,8 @@ def test_constraints_with_samples_stop_strings_and_a_cached_prefix(default_llm):
         assert len(output.outputs) == 3
         assert all(sample.text in ("good", "bad", "unsure") and sample.finish_reason == "stop"
                    for sample in output.outputs)
-    assert outputs[2].text in ("yes", "no") and outputs[2].finish_reason == "stop"
+    assert re.fullmatch(r"(yes|no), because [a-z ]{2,40}\.", outputs[2].text)  # "," inside the match: no stop there
+    assert outputs[2].finish_reason == "stop"
 
 
 def test_a_bad_constraint_fails_its_request_alone(default_llm):
@@ -232,3 +236,82 @@ def test_validate_refuses_a_bad_fixed_schema_before_any_model_loads(tmp_path, mo
     result = invoke("validate", job)
     assert result.exit_code == 101
     assert ":11: sampling.json_schema: invalid json_schema: Invalid type: nope" in result.output
+
+
+# ---- a tiny model that spells JSON ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def byte_llm(tmp_path_factory) -> LLM:
+    return LLM(str(save_byte_model(tmp_path_factory.mktemp("byte-model"))), device="cpu", dtype="float32",
+               kv_cache_memory="8MiB", block_size=4)
+
+
+def generate_one(llm: LLM, **params):
+    """The one greedy sample of the prompt "hello" under `params`."""
+    (output,) = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=40, **params), use_tqdm=False)
+    return output.outputs[0]
+
+
+FLAG = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+COLON_ID = byte_tokenizer().convert_tokens_to_ids(":")
+
+
+@pytest.mark.parametrize("stop", [{"stop": [":"]}, {"stop": ['"', "a"]}, {"stop_token_ids": [COLON_ID]}])
+def test_a_stop_string_or_token_never_cuts_a_json_value_short(byte_llm, stop):
+    sample = generate_one(byte_llm, json_schema=FLAG, **stop)
+    assert sample.finish_reason == "stop" and sample.error is None
+    jsonschema.validate(json.loads(sample.text), FLAG)
+
+
+def test_a_stop_string_ends_a_constrained_output_at_its_first_complete_place(byte_llm):
+    regex = "x,y(,z)?"
+    unstopped = generate_one(byte_llm, regex=regex)
+    stopped = generate_one(byte_llm, regex=regex, stop=[","])
+    assert unstopped.text in ("x,y", "x,y,z") and stopped.text == "x,y"  # "x" before the first "," is no match
+    assert stopped.finish_reason == "stop"
+
+
+def closed_object(**properties) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("schema", "error"), [
+    ({"oneOf": [closed_object(a={"const": 1}), closed_object(b={"const": 2})]}, None),
+    ({"type": "string", "format": "color", "maxLength": 4}, None),
+    ({"type": "integer", "maximum": 18446744073709551616, "minimum": 0}, None),
+    ({"oneOf": [{"const": 1}, {"type": "integer", "minimum": 1, "maximum": 1}]}, "at $: 1 is valid under each of"),
+    ({"type": "array", "items": {"enum": [1]}, "minItems": 2, "maxItems": 2, "uniqueItems": True},
+     "at $: [1, 1] has non-unique elements"),
+    ({"type": "integer", "minimum": 0, "maximum": 0, "not": {"const": 0}}, "at $: 0 should not be valid under"),
+    ({**FLAG, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "at $: 'b' is a required property"),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "dependencies": {"a": ["b"]},
+      **closed_object(a={"const": 1})}, "at $: 'b' is a dependency of 'a'"),
+])
+def test_schemas_beyond_the_grammar_run_and_their_outputs_are_checked_exactly(byte_llm, schema, error):
+    sample = generate_one(byte_llm, json_schema=schema)
+    if error is None:
+        assert sample.finish_reason == "stop" and sample.error is None
+        jsonschema.validate(json.loads(sample.text), schema)
+    else:
+        assert sample.finish_reason == "error" and sample.text
+        assert sample.error.startswith("the output breaks json_schema " + error)
+
+
+def test_a_dead_end_of_the_grammar_is_the_samples_error(byte_llm):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}},
+              "patternProperties": {"^b$": {"type": "boolean"}}, "required": ["a", "b"], "additionalProperties": False}
+    sample = generate_one(byte_llm, json_schema=schema)
+    assert sample.text.endswith(", ")  # llguidance allowed a separator no key can follow
+    assert (sample.finish_reason, sample.error) == (
+        "error", "the output reached a dead end of its json_schema: no token could continue it")
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "string", "pattern": "(?<word>[a-z]+)"},
+     "invalid json_schema: '(?<word>[a-z]+)' is not a 'regex' (at $.pattern of the schema)"),
+    ({"type": "array", "items": [{"type": "string"}]}, "invalid json_schema: [{'type': 'string'}] is not of type "
+     "'object', 'boolean' (at $.items of the schema, read as draft 2020-12: name yours in $schema)"),
+])
+def test_a_schema_jsonschema_cannot_check_is_refused_before_any_model(schema, message):
+    with pytest.raises(ValueError) as info:
+        check(SamplingParams(json_schema=schema))
+    assert str(info.value) == message

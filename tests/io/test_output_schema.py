@@ -55,7 +55,8 @@ def closed(properties: dict, **keywords) -> dict:
     ({"definitions": {"p": closed({"n": {"type": "integer"}})}, "$ref": "#/definitions/p"},
      pa.struct([("n", pa.int64())])),
     ({"allOf": [{"description": "no type here"}, {"type": "boolean"}]}, pa.bool_()),
-    (closed({"a": {"type": "string"}}, **{"allOf": [{"required": ["a"]}], "not": {"type": "null"}}), pa.struct([("a", pa.string())])),
+    (closed({"a": {"type": "string"}}, **{"allOf": [{"required": ["a"]}], "not": {"type": "null"}}),
+     pa.struct([("a", pa.string())])),
 ])
 def test_a_schema_that_settles_one_type_gets_it(schema, expected):
     assert arrow_type_of_schema(schema) == expected

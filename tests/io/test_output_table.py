@@ -88,3 +88,12 @@ def test_a_nullable_field_is_written_in_its_struct():
         "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}, "additionalProperties": False}
     texts = [('{"name": null, "tags": ["x"]}', "stop"), ('{"name": "Ada"}', "stop"), ('{"name": "A', "length")]
     assert json_rows(texts, schema) == [{"name": None, "tags": ["x"]}, {"name": "Ada", "tags": None}, None]
+
+
+def test_a_sample_that_failed_after_generating_keeps_its_text():
+    row = InputRow(index=0, id="0", prompt="p", error=None, carried={}, overrides={})
+    error = "the output breaks json_schema at $: [1, 1] has non-unique elements"
+    refused = CompletionOutput(0, "[1, 1]", [5, 6], "error", error, RequestMetrics(arrival_time=0.0, finished_time=1.0))
+    (out,) = output_rows(row, RequestOutput(0, "p", [1], [refused]), False, pa.string())
+    assert (out["finish_reason"], out["error"]) == ("error", error)
+    assert (out["output_text"], out["output_json"]) == ("[1, 1]", None)
