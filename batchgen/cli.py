@@ -11,7 +11,7 @@ import click
 
 from batchgen.job.config import JobConfig, JobConfigError, load_job
 from batchgen.io.writer import OutputError
-from batchgen.job.run import check_engine, job_generator, open_input, plan_job, run_job
+from batchgen.job.run import plan_job, run_job, validate_job
 from batchgen.kernels.inventory import gather_inventory
 
 JOB_ERROR_EXIT_CODE = 101
@@ -143,7 +143,7 @@ def plan(job: Path, limit: int | None, as_json: bool, executor: str | None, num_
     """
     config = load(job, executor_overrides(executor, num_workers))
     try:
-        report = plan_job(config, limit=limit, use_tqdm=sys.stderr.isatty())
+        report = plan_job(config, limit=limit, use_tqdm=sys.stderr.isatty(), max_order_ids=None if as_json else 10)
     except JobConfigError as error:
         raise JobError(str(error)) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
@@ -159,13 +159,13 @@ def validate(job: Path) -> None:
     """
     config = load(job, {})
     try:
-        job_generator(config)  # executor: ray needs Ray installed
-        table, _ = open_input(config)
-        check_engine(config)
+        num_rows, warnings = validate_job(config)
     except JobConfigError as error:
         raise JobError(str(error)) from None
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
     source = config.input.path or config.input.dataset
-    click.echo(f"{job}: ok ({table.num_rows:,} rows from {source}, output {config.output.path})")
+    click.echo(f"{job}: ok ({num_rows:,} rows from {source}, output {config.output.path})")
 
 
 @main.command()
@@ -198,6 +198,7 @@ def eval_command(lm_eval_args: tuple[str, ...]) -> None:
     if any(arg == "--help" or arg == "-h" for arg in lm_eval_args) or not lm_eval_args:
         click.echo(click.get_current_context().get_help())
         return
-    sys.argv = ["lm-eval", "run", "--model", "batchgen", *lm_eval_args]
+    device = [] if any(arg == "--device" or arg.startswith("--device=") for arg in lm_eval_args) else ["--device", "auto"]
+    sys.argv = ["lm-eval", "run", "--model", "batchgen", *device, *lm_eval_args]  # batchgen's device unless given
     cli = HarnessCLI()
     cli.execute(cli.parse_args())

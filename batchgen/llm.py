@@ -21,10 +21,11 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.gc_pacing import paced_collection
-from batchgen.models import load_model
+from batchgen.models import load_model, load_tokenizer
 from batchgen.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.request import Request
 from batchgen.plan.requests import Plan, PlanLimits, PromptError, build_plan, build_score_plan
+from batchgen.prompts import from_vllm_prompt, is_messages, is_vllm_prompt
 from batchgen.sampling_params import SamplingParams
 from batchgen.plan.scoring import encode_text, prefix_token_id, rolling_windows
 
@@ -36,19 +37,39 @@ WAITING_TOKENS_WATERMARK = 1 << 21  # prompt tokens the waiting queue may hold b
 class LLM:
     """A model plus an engine. `model` is None (the default model), a folder, a GGUF file, a hub
     id, or an already loaded transformers model (then `tokenizer` is required, and the `dtype`
-    and `device` options do not apply)."""
+    and `device` options do not apply). `tokenizer` (a folder, a hub id or a loaded tokenizer)
+    replaces the model's own. `config` holds the engine options as resolved on this machine."""
 
     def __init__(self, model=None, *, tokenizer=None, **engine_options):
-        self.config: EngineConfig = options_of(EngineConfig, engine_options)
+        self._start(model, tokenizer, options_of(EngineConfig, engine_options))
+
+    @classmethod
+    def from_config(cls, model=None, config: EngineConfig | None = None, *, tokenizer=None) -> LLM:
+        """An LLM from engine options already checked (a job file's `engine:` section)."""
+        llm = cls.__new__(cls)
+        llm._start(model, tokenizer, config or EngineConfig())
+        return llm
+
+    def _start(self, model, tokenizer, config: EngineConfig) -> None:
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("an already loaded model needs its tokenizer: LLM(model, tokenizer=...)")
             hf_model = model.eval()
         else:
-            loaded = load_model(model, device=self.config.device, dtype=self.config.dtype)
-            hf_model, tokenizer = loaded.model, loaded.tokenizer
-        self.tokenizer = tokenizer
-        self.engine = LLMEngine(hf_model, tokenizer, self.config)
+            loaded = load_model(model, device=config.device, dtype=config.dtype)
+            hf_model, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.engine = LLMEngine(hf_model, self.tokenizer, config.resolved(hf_model.device, hf_model.dtype))
+        self.config: EngineConfig = self.engine.config
+
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded with."""
+        return self.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens a sequence (prompt and output) may hold: the model's context, or the KV pool's size."""
+        return self.engine.max_model_len
 
     @property
     def stats(self) -> EngineStats:
@@ -77,7 +98,7 @@ class LLM:
     def plan_limits(self) -> PlanLimits:
         """What a prompt must fit to run on this engine; constraints are compiled for its vocabulary."""
         engine = self.engine
-        return PlanLimits(self.config.block_size, engine.max_model_len - 1, engine.vocab_size,
+        return PlanLimits(self.config.block_size, engine.max_model_len, engine.vocab_size,
                           lambda params: engine.constraints.matcher(params))  # built at first use
 
     def _build_plan(self, requests: list[tuple[int, object, SamplingParams]]) -> Plan:
@@ -113,6 +134,16 @@ class LLM:
                 yield from plan.requests
 
         yield from self.run_requests(planned(), total, use_tqdm, watermark=window)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """`generate` for chat conversations: one conversation (a list of `{role, content}`
+        messages) or a list of them, each rendered with the tokenizer's chat template."""
+        conversations = [messages] if is_messages(messages) else list(messages)
+        for position, conversation in enumerate(conversations):
+            if not is_messages(conversation):
+                raise ValueError(f"conversation {position} is not a list of {{role, content}} messages")
+        return self.generate(conversations, sampling_params, use_tqdm)
 
     def score(self, pairs: Sequence[tuple], use_tqdm: bool = True) -> list[ScoreOutput]:
         """The log-likelihood of each (context, continuation) pair, in input order (lm-eval's
@@ -200,12 +231,13 @@ def progress_text(stats: EngineStats, elapsed_s: float) -> str:
 
 
 def _is_single_prompt(prompts) -> bool:
-    """A string, a list of token ids or a list of messages: one prompt, not a list of prompts."""
-    if isinstance(prompts, str):
+    """A string, one of vLLM's prompt dicts, a list of token ids or a list of messages: one prompt,
+    not a list of prompts."""
+    if isinstance(prompts, str) or is_vllm_prompt(prompts):
         return True
     if not isinstance(prompts, list) or not prompts:
         return False
-    return (all(isinstance(p, dict) for p in prompts)
+    return (all(isinstance(p, dict) and not is_vllm_prompt(p) for p in prompts)
             or all(isinstance(p, int) and not isinstance(p, bool) for p in prompts))
 
 
@@ -213,7 +245,8 @@ def _numbered(prompts, sampling_params) -> Iterator[tuple[int, object, SamplingP
     """(position, prompt, params) for every prompt, lazily; params: None, one, or one per prompt."""
     prompts = [prompts] if _is_single_prompt(prompts) else prompts
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        yield from ((i, prompt, sampling_params or SamplingParams()) for i, prompt in enumerate(prompts))
+        params = sampling_params or SamplingParams()
+        yield from ((i, from_vllm_prompt(prompt), params) for i, prompt in enumerate(prompts))
         return
     if isinstance(prompts, Sized) and isinstance(sampling_params, Sized) and len(prompts) != len(sampling_params):
         raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
@@ -223,7 +256,7 @@ def _numbered(prompts, sampling_params) -> Iterator[tuple[int, object, SamplingP
     for position, (prompt, param) in enumerate(itertools.zip_longest(prompts, params, fillvalue=missing)):
         if prompt is missing or param is missing:
             raise ValueError("the prompts and their SamplingParams differ in number; give one, or one per prompt")
-        yield position, prompt, param
+        yield position, from_vllm_prompt(prompt), param
 
 
 def score_of(request_id: int, output: RequestOutput) -> ScoreOutput:

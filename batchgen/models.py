@@ -321,6 +321,15 @@ def load_tokenizer_and_config(model: str | None) -> tuple[PreTrainedTokenizerBas
         AutoTokenizer.from_pretrained(source, **hub_kwargs), transformers.AutoConfig.from_pretrained(source, **hub_kwargs)))
 
 
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    """A tokenizer from a local folder or a hub id (the local HF cache first)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(path)
+    return from_cache_or_hub(source, lambda **hub_kwargs: AutoTokenizer.from_pretrained(source, **hub_kwargs))
+
+
 def load_config(model: str | None) -> transformers.PretrainedConfig:
     """The config ``load_model(model)`` would use (no tokenizer, no weights)."""
     return _load_from_source(model, transformers.AutoConfig.from_pretrained)

@@ -22,15 +22,35 @@ from typing import Any
 
 Prompt = str | list[int] | list[dict[str, str]]
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+VLLM_PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt
 
 
 class BadRowError(ValueError):
     """A problem with one input row: the row gets an error output, the job goes on."""
 
 
+# ---- vLLM's prompt dicts -------------------------------------------------------------------
+def is_vllm_prompt(value: Any) -> bool:
+    """Whether `value` is one of vLLM's prompt dicts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``)."""
+    return isinstance(value, dict) and any(key in value for key in VLLM_PROMPT_KEYS)
+
+
+def from_vllm_prompt(value: Any) -> Any:
+    """A vLLM prompt dict as the prompt it holds (text or token ids); any other value as it is.
+    A dict with other keys (``multi_modal_data``, ...) is kept and refused by `encode_prompt`."""
+    if not is_vllm_prompt(value) or set(value) - set(VLLM_PROMPT_KEYS) or len(value) != 1:
+        return value
+    return next(iter(value.values()))
+
+
 # ---- any prompt -> token ids ----------------------------------------------------------------
 def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     """Token ids of ``prompt`` (see the module docstring); ``ValueError`` for malformed input."""
+    if is_vllm_prompt(prompt):
+        unsupported = sorted(set(prompt) - set(VLLM_PROMPT_KEYS))
+        raise ValueError(f"prompt keys {', '.join(unsupported) or 'prompt and prompt_token_ids together'} are not "
+                         "supported: batchgen runs text-only models; give {'prompt': text} or "
+                         "{'prompt_token_ids': ids}")
     if isinstance(prompt, str):
         token_ids = _encode_text(tokenizer, prompt)
     elif is_messages(prompt):

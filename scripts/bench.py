@@ -146,7 +146,7 @@ def summarize(name: str, workload: Workload, runs: list[dict], plan) -> dict:
         "total_tok_s": (workload.num_output_tokens + workload.num_prompt_tokens) / median,
         "num_prompt_tokens": workload.num_prompt_tokens, "num_output_tokens": workload.num_output_tokens,
         "num_computed_prompt_tokens": typical.num_computed_prompt_tokens,
-        "plan_tokens_to_prefill": plan.num_tokens_to_prefill, "ideal_hit_rate": plan.ideal_hit_rate,
+        "plan_tokens_to_prefill": plan.num_computed_prompt_tokens, "ideal_hit_rate": plan.prefix_hit_rate,
         "hit_rate": None if typical.num_cached_prompt_tokens is None
         else typical.num_cached_prompt_tokens / workload.num_prompt_tokens,
         "peak_rss_increase_bytes": max(r["peak_rss_increase"] for r in runs),
@@ -383,7 +383,8 @@ def add_system_args(parser: argparse.ArgumentParser, padded_batch_sizes: str) ->
 
 def step_tokens(args: argparse.Namespace) -> int:
     """The systems' token budget a step: --max-batch-tokens, else batchgen's default for the device."""
-    return EngineConfig(max_num_batched_tokens=args.max_batch_tokens).batched_tokens(args.device)
+    config = EngineConfig(max_num_batched_tokens=args.max_batch_tokens)
+    return config.resolved(torch.device(args.device), torch.float32).max_num_batched_tokens
 
 
 def int_tuple(text: str) -> tuple[int, ...]:

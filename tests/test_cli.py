@@ -73,15 +73,18 @@ def test_validate_reports_the_first_problem_with_its_line(tmp_path):
 
 
 def test_plan_prints_text_or_json(tmp_path, model_dir):
-    records = [{"prompt": f"{words(*range(10, 18))} {words(100 + i)}"} for i in range(4)]
+    records = [{"prompt": f"{words(*range(10, 18))} {words(100 + i)}"} for i in range(12)]
     write_jsonl(tmp_path / "in.jsonl", records)
     job = write_job(tmp_path, model_dir, {"path": "in.jsonl", "apply_chat_template": False})
     text = invoke("plan", job, "--limit", "3")
     assert text.exit_code == 0
-    assert "requests           3 of 3 rows (0 bad)" in text.output
+    assert "rows               3 (0 bad, each an error row)" in text.output and "requests           3 to run" in text.output
     assert f"    3 requests share      8 tokens: \"{words(*range(10, 18))}\"" in text.output
     as_json = json.loads(invoke("plan", job, "--json").output)
-    assert (as_json["num_requests"], as_json["num_prompt_tokens"], as_json["num_tokens_to_prefill"]) == (4, 36, 12)
+    tokens = as_json["tokens"]
+    assert (as_json["num_requests"], tokens["num_prompt_tokens"], tokens["num_computed_prompt_tokens"]) == (12, 108, 20)
+    assert sorted(as_json["run_order_ids"]) == sorted(str(i) for i in range(12))  # the whole order, not the first 10
+    assert invoke("plan", job).output.count("run order (ids): ") == 1 and ", ..." in invoke("plan", job).output
 
 
 def test_plan_for_ray_shows_each_workers_partition_and_random_placement(tmp_path, model_dir):
@@ -92,8 +95,9 @@ def test_plan_for_ray_shows_each_workers_partition_and_random_placement(tmp_path
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert [part["num_rows"] for part in report["partitions"]] == [8, 8]  # two groups each
-    assert sum(part["num_tokens_to_prefill"] for part in report["partitions"]) == report["num_tokens_to_prefill"]
-    assert report["num_tokens_to_prefill_random"] > report["num_tokens_to_prefill"]
+    computed = report["tokens"]["num_computed_prompt_tokens"]
+    assert sum(part["num_computed_prompt_tokens"] for part in report["partitions"]) == computed
+    assert report["num_computed_prompt_tokens_if_random"] > computed
     text = invoke("plan", job, "--executor", "ray", "--num-workers", "2").output
     assert "partitions (executor: ray, 2): 80 tokens to prefill in all" in text
     assert "    0:         8 rows" in text and "    1:         8 rows" in text

@@ -180,7 +180,7 @@ def test_shared_prefix_is_computed_once(budget):
     tree = RadixTree(16)
     for request_id, prompt in enumerate(prompts):
         tree.insert(request_id, prompt)
-    assert tree.stats().num_tokens_to_prefill == stats.num_computed_prompt_tokens
+    assert tree.stats().num_computed_prompt_tokens == stats.num_computed_prompt_tokens
 
 
 def test_plan_prediction_equals_engine_counters_on_mixed_workload():
@@ -190,7 +190,7 @@ def test_plan_prediction_equals_engine_counters_on_mixed_workload():
     tree = RadixTree(16)
     for request_id, (prompt, _) in enumerate(workload):
         tree.insert(request_id, prompt)
-    assert llm.stats.num_computed_prompt_tokens == tree.stats().num_tokens_to_prefill
+    assert llm.stats.num_computed_prompt_tokens == tree.stats().num_computed_prompt_tokens
 
 
 @pytest.mark.parametrize("prompt_len", [40, 32])

@@ -78,10 +78,10 @@ def test_the_planner_refuses_ids_outside_the_models_vocabulary_from_the_caller_o
 
     params = SamplingParams()
     requests = [(0, "w10 w40", params), (1, [10, 40], params), (2, [{"role": "user", "content": "w40"}], params)]
-    fits = PlanLimits(block_size=4, max_prompt_len=64, vocab_size=len(TOKENIZER))
+    fits = PlanLimits(block_size=4, max_model_len=65, vocab_size=len(TOKENIZER))
     planned, errors = plan_requests(TOKENIZER, requests, fits)
     assert [request.request_id for request in planned] == [0, 1, 2] and not errors
-    smaller = PlanLimits(block_size=4, max_prompt_len=64, vocab_size=30)  # the tokenizer makes ids the model lacks
+    smaller = PlanLimits(block_size=4, max_model_len=65, vocab_size=30)  # the tokenizer makes ids the model lacks
     planned, errors = plan_requests(TOKENIZER, requests, smaller)
     assert not planned and [error.request_id for error in errors] == [0, 1, 2]
     assert all("token id 40 is outside the vocabulary [0, 30)" in error.message for error in errors)

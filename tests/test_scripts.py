@@ -46,13 +46,13 @@ def test_workloads_are_reproducible_and_avoid_low_ids():
 def test_cpu_sizes_match_the_issue():
     shared = build_workload("shared-system", "cpu", 49152, 17)
     assert len(shared.prompt_ids) == 64 and {len(p) for p in shared.prompt_ids} == {1088}
-    assert plan_stats(shared, 16).num_tokens_to_prefill == 4 * 1024 + 64 * 64
+    assert plan_stats(shared, 16).num_computed_prompt_tokens == 4 * 1024 + 64 * 64
     samples = build_workload("n-samples", "cpu", 49152, 17)
     assert samples.n * len(samples.prompt_ids) == 128 and not samples.is_greedy
     assert SIZES["gpu"].num(16) == 128 and SIZES["gpu"].length(2048) == 2048
     scattered = build_workload("scattered-groups", "cpu", 49152, 17)
     assert len(scattered.prompt_ids) == 480 and {len(p) for p in scattered.prompt_ids} == {1024}
-    assert plan_stats(scattered, 16).num_tokens_to_prefill == 120 * 992 + 480 * (1024 - 992)  # 62 shared blocks
+    assert plan_stats(scattered, 16).num_computed_prompt_tokens == 120 * 992 + 480 * (1024 - 992)  # 62 shared blocks
     neighbours_share = sum(a[:1000] == b[:1000] for a, b in zip(scattered.prompt_ids, scattered.prompt_ids[1:]))
     assert neighbours_share < 20  # in random order: a group's rows are far apart
     smollm2_fp32_kv_bytes_per_token = 30 * 2 * 3 * 64 * 4

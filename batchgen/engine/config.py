@@ -7,13 +7,17 @@ the job loader adds the file, line and section.
 
 Invariants after construction: every field has its checked type and range;
 ``kv_cache_memory`` is a number of bytes (> 0) or None (sized from the device's memory);
-``max_num_batched_tokens`` is a number of tokens (> 0) or None (the device's default,
-`batched_tokens`).
+``max_num_batched_tokens`` is a number of tokens (> 0) or None (the device's default). The
+engine runs on `resolved` options: every automatic value made concrete once, where the model is
+loaded, and reported as they are (`LLM.config`, a job's summary).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from batchgen.options import byte_size, check_options, device_name, int_at_least, one_of, option, or_null, true_or_false
 from batchgen.models import DTYPE_NAMES
@@ -72,8 +76,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_options(self)
 
-    def batched_tokens(self, device_type: str) -> int:
-        """`max_num_batched_tokens`, or where it is None the default of a `device_type` device."""
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cpu"])
+    def resolved(self, device: torch.device, dtype: torch.dtype) -> EngineConfig:
+        """These options with the automatic ones made concrete, once, for a model loaded on `device`
+        in `dtype`: the device, the dtype and the step's token budget (the KV pool's bytes are
+        set where it is sized, by the engine)."""
+        budget = self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cpu"])
+        return dataclasses.replace(self, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                                   max_num_batched_tokens=budget)

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -47,13 +48,14 @@ class LLMEngine:
     """The engine loop over a loaded model and tokenizer."""
 
     def __init__(self, model, tokenizer, config: EngineConfig):
+        """`config`: resolved options (`EngineConfig.resolved`); `self.config` adds the KV pool's bytes."""
         self.tokenizer = tokenizer
-        self.config = config
         self.runner = ModelRunner(model, config)
         num_blocks = self.runner.num_blocks
+        pool_bytes = num_blocks * config.block_size * self.runner.spec.bytes_per_token
+        self.config = dataclasses.replace(config, kv_cache_memory=pool_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.batched_tokens(self.runner.device.type))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = min(max_context_len(text_config), num_blocks * config.block_size)

@@ -99,7 +99,7 @@ class ModelRunner:
         """Blocks in the pool: `kv_cache_memory` bytes, else a share of the device's free memory."""
         budget = config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
-            activation_bytes = self._warm_up(config.batched_tokens(self.device.type))
+            activation_bytes = self._warm_up(config.max_num_batched_tokens)
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int((free - activation_bytes) * CUDA_KV_CACHE_FRACTION)
         elif budget is None:

@@ -3,15 +3,20 @@
 Shards hold rows in the order they finished. Assembly is a two-pass bucket sort on `row_index`:
 pass 1 reads one shard at a time and appends each of its rows to the temporary Arrow file of its
 bucket (`BUCKET_ROWS` consecutive row indices); pass 2 reads one bucket at a time, sorts it by
-(row_index, sample_index) and writes it as the final file's next row group. Memory holds one
-shard or one bucket, never the output; the temporary files live in `work_dir` and are removed.
+(row_index, sample_index) and writes it to the final file: a Parquet row group, or JSON lines.
+Memory holds one shard or one bucket, never the output; the temporary files live in `work_dir`
+and are removed.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime
+import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,20 +25,31 @@ import pyarrow.parquet as pq
 from batchgen.io.output_table import ROW_INDEX, SAMPLE_INDEX
 
 BUCKET_ROWS = 65536
+FILE_FORMATS = ("parquet", "jsonl")  # the formats of a single-file output
 
 
-def assemble(shard_paths: list[Path], schema: pa.Schema, target: IO[bytes], work_dir: Path) -> None:
-    """Write every row of `shard_paths` to `target` as one Parquet file in row order."""
+def assemble(shard_paths: list[Path], schema: pa.Schema, target: IO[bytes], work_dir: Path, file_format: str) -> None:
+    """Write every row of `shard_paths` to `target` as one file of `file_format`, in row order."""
     work_dir.mkdir()
     try:
-        buckets = _distribute(shard_paths, schema, work_dir, BUCKET_ROWS)
-        keys = [(name, "ascending") for name in (ROW_INDEX, SAMPLE_INDEX) if name in schema.names]
-        with pq.ParquetWriter(target, schema) as writer:
-            for bucket in sorted(buckets):
-                with pa.OSFile(str(work_dir / f"{bucket}.arrow")) as source:
-                    writer.write_table(pa.ipc.open_stream(source).read_all().sort_by(keys))
+        buckets = _sorted_buckets(shard_paths, schema, work_dir)
+        if file_format == "jsonl":
+            _write_jsonl(buckets, target)
+        else:
+            with pq.ParquetWriter(target, schema) as writer:
+                for table in buckets:
+                    writer.write_table(table)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _sorted_buckets(shard_paths: list[Path], schema: pa.Schema, work_dir: Path) -> Iterator[pa.Table]:
+    """Pass 2: each bucket's rows, sorted, one bucket at a time in row order."""
+    buckets = _distribute(shard_paths, schema, work_dir, BUCKET_ROWS)
+    keys = [(name, "ascending") for name in (ROW_INDEX, SAMPLE_INDEX) if name in schema.names]
+    for bucket in sorted(buckets):
+        with pa.OSFile(str(work_dir / f"{bucket}.arrow")) as source:
+            yield pa.ipc.open_stream(source).read_all().sort_by(keys)
 
 
 def _distribute(shard_paths: list[Path], schema: pa.Schema, work_dir: Path, bucket_rows: int) -> set[int]:
@@ -51,3 +67,21 @@ def _distribute(shard_paths: list[Path], schema: pa.Schema, work_dir: Path, buck
         for writer in writers.values():
             writer.close()
     return set(writers)
+
+
+def _write_jsonl(tables: Iterator[pa.Table], target: IO[bytes]) -> None:
+    """One JSON object per row (UTF-8, keys in column order)."""
+    for table in tables:
+        lines = [json.dumps(row, ensure_ascii=False, default=_json_value) + "\n" for row in table.to_pylist()]
+        target.write("".join(lines).encode("utf-8"))
+
+
+def _json_value(value: Any) -> Any:
+    """A cell JSON has no type for: dates and times as ISO 8601 text, bytes as base64, others as text."""
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    return str(value)

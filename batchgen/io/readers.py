@@ -14,6 +14,7 @@ number in the next) is written as JSON text, strings unquoted.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -146,6 +147,7 @@ class JsonlSource(InputSource):
         records: list[dict] = []
         with open(self.path, "rb") as file:
             for line_number, raw in enumerate(file, start=1):
+                raw = raw.removeprefix(codecs.BOM_UTF8) if line_number == 1 else raw  # a UTF-8 file's BOM
                 if raw.strip():
                     records.append(_parse_line(raw, line_number))
                     if len(records) == batch_rows:

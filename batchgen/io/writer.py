@@ -1,10 +1,11 @@
 """Resumable sharded Parquet output: every row committed exactly once or not at all.
 
-Layout: an output path ending in ".parquet" keeps its shards in "<path>.shards/" and
-`finish()` assembles the final file from them; any other path is a folder holding the
-shards, with the manifest and lock as hidden files, so the folder loads as a Parquet
-dataset as it is (`pq.read_table(folder)`, `pandas.read_parquet`, `datasets`). The shards
-stay: they are the record that makes a re-run resume; the final file is rebuilt from them.
+Layout: a file output (".parquet", or ".jsonl": `output_format_of`) keeps its shards in
+"<path>.shards/" and `finish()` assembles the final file from them, in input order; a path
+without a suffix is a folder holding the shards, with the manifest and lock as hidden files, so
+the folder loads as a Parquet dataset as it is (`pq.read_table(folder)`, `pandas.read_parquet`,
+`datasets`). The shards stay: they are the record that makes a re-run resume; the final file
+is rebuilt from them.
 
 Commit protocol (`flush`): write the shard to a temp file in the shard folder, fsync,
 os.replace it to "shard-NNNNNN.parquet", then replace the manifest the same way, and only
@@ -60,6 +61,21 @@ def version_metadata() -> dict[str, str]:
     return versions
 
 
+FILE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+
+
+def output_format_of(path: str | Path) -> str | None:
+    """The file format an output path names ("parquet", "jsonl"), or None for a folder of shards
+    (a path without a suffix, or an existing folder); ValueError for a suffix batchgen does not write."""
+    path = Path(path)
+    if path.suffix.lower() in FILE_SUFFIXES:
+        return FILE_SUFFIXES[path.suffix.lower()]
+    if path.suffix and not path.is_dir():
+        raise ValueError(f"{str(path)!r}: batchgen writes a .parquet or .jsonl file, or a folder of Parquet shards "
+                         f"(a path without a suffix), not {path.suffix} files")
+    return None
+
+
 def _shard_name(number: int) -> str:
     return f"shard-{number:06d}.parquet"
 
@@ -83,13 +99,16 @@ class ShardWriter:
 
     def __init__(self, output_path: str | Path, fingerprint: str, shard_size: int, schema: pa.Schema,
                  mode: str = "resume", metadata: dict[str, str] | None = None,
-                 description: dict[str, Any] | None = None) -> None:
+                 description: dict[str, Any] | None = None, file_format: str | None = None) -> None:
+        """`file_format`: the final file's format, or None for a folder output (default: the path's,
+        `output_format_of`)."""
         if mode not in ("resume", "overwrite"):
             raise ValueError(f"output mode must be 'resume' or 'overwrite', got {mode!r}")
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self.output_path = Path(output_path)
-        self.is_single_file = self.output_path.suffix == ".parquet"
+        self.file_format = output_format_of(output_path) if file_format is None else file_format
+        self.is_single_file = self.file_format is not None
         self.shard_dir = Path(f"{output_path}.shards") if self.is_single_file else self.output_path
         self.fingerprint = fingerprint
         self.shard_size = shard_size
@@ -113,14 +132,16 @@ class ShardWriter:
             raise
         self._buffer: list[dict] = []
         self._buffered_indices: set[int] = set()
+        self._is_new_dir = is_new_dir
+        self._is_finished = False
 
     def _check_kind(self) -> None:
         """Refuse an output path of the wrong kind (a file for a folder output, or the reverse)."""
         if not self.is_single_file and self.output_path.is_file():
             raise OutputError(f"output {str(self.output_path)!r} is a file; name a .parquet file or a folder")
         if self.is_single_file and self.output_path.is_dir():
-            raise OutputError(f"output {str(self.output_path)!r} is a folder, but a .parquet output is one file; "
-                              "remove the folder or choose another output path")
+            raise OutputError(f"output {str(self.output_path)!r} is a folder, but a .{self.file_format} output is "
+                              "one file; remove the folder or choose another output path")
 
     def _open(self, mode: str) -> None:
         if mode == "overwrite":
@@ -136,8 +157,13 @@ class ShardWriter:
         self.close()
 
     def close(self) -> None:
-        """Release the output's lock (buffered rows that were not flushed are dropped)."""
-        self._lock.release()
+        """Release the output's lock (buffered rows that were not flushed are dropped). An output
+        this writer created and never committed to, nor finished, is removed: a job refused or
+        stopped before its first commit leaves nothing behind."""
+        is_untouched = self._is_new_dir and not self._shards and not self._is_finished
+        self._lock.release(remove_if_new=is_untouched)
+        if is_untouched:
+            shutil.rmtree(self.shard_dir, ignore_errors=True)
 
     # ---- opening an existing output ----------------------------------------------------------
     def _remove_outputs(self) -> None:
@@ -152,14 +178,21 @@ class ShardWriter:
     def _refuse_foreign_files(self, listed: set[str]) -> None:
         """Raise when the final file, or a shard-named file the manifest does not list, is not batchgen's."""
         candidates = [path for path in self.shard_dir.glob("shard-*.parquet") if path.name not in listed]
-        if self.is_single_file and self.output_path.exists():
-            candidates.append(self.output_path)
         foreign = [path for path in candidates if not is_batchgen_file(path)]
+        if self.is_single_file and self.output_path.exists() and not self._is_own_final_file():
+            foreign.append(self.output_path)
         if foreign:
             raise JobMismatchError(
                 f"{str(foreign[0])!r} was not written by batchgen, and batchgen never replaces or deletes files "
                 "it did not write; move it away or choose another output path"
             )
+
+    def _is_own_final_file(self) -> bool:
+        """Whether the final file is batchgen's: a Parquet file carrying a fingerprint, a JSONL file
+        beside its shards' manifest (JSON lines have no place for one)."""
+        if self.file_format == "jsonl":
+            return (self.shard_dir / MANIFEST_NAME).is_file()
+        return is_batchgen_file(self.output_path)
 
     def _open_manifest(self) -> list[dict]:
         """The committed shards; refuses another job's output."""
@@ -290,12 +323,13 @@ class ShardWriter:
         return sum(shard["num_errors"] for shard in self._shards)
 
     def finish(self) -> Path:
-        """Flush; for a .parquet output write the final file atomically; release the lock (the
+        """Flush; for a file output write the final file atomically; release the lock (the
         writer is done). Returns the output path."""
         with self:
             self.flush()
             if self.is_single_file:
                 self._assemble()
+            self._is_finished = True
         return self.output_path
 
     def _assemble(self) -> None:
@@ -305,7 +339,7 @@ class ShardWriter:
         work_dir = self.shard_dir / f"{TEMP_PREFIX}assembly"
         try:
             atomic_write(self.output_path, self._final_temp_prefix,
-                         lambda file: assemble(shard_paths, self.schema, file, work_dir))
+                         lambda file: assemble(shard_paths, self.schema, file, work_dir, self.file_format))
         except OSError as error:
             raise OutputError(
                 f"could not write the final file {str(self.output_path)!r}: {error}. Every row is committed "

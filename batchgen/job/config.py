@@ -48,6 +48,7 @@ from batchgen.engine import constraints
 from batchgen.engine.config import EngineConfig
 from batchgen.models import DEFAULT_MODEL_ALIASES
 from batchgen.io.readers import detect_format
+from batchgen.io.writer import output_format_of
 from batchgen.sampling_params import SamplingParams
 
 FORMATS = ("auto", "parquet", "jsonl", "hf_disk", "hf_hub")
@@ -266,7 +267,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     _refuse_output_over_input(locate, config)
     _check_task(locate, config, sections["sampling"])
     if config.executor == "ray" and config.task == "score":
-        raise locate("executor", "executor: ray runs task: generate; a score job runs on one machine (executor: local)")
+        raise locate("executor", "ray runs task: generate only; a score job runs on one machine (executor: local)")
     return config
 
 
@@ -372,8 +373,12 @@ def _resolve_input(locate: Callable, config: InputConfig, job_dir: Path) -> None
 
 def _resolve_output(locate: Callable, config: OutputConfig, job_dir: Path) -> None:
     if config.path is None:
-        raise locate("output.path", "required: a .parquet file or a folder for the shards")
+        raise locate("output.path", "required: a .parquet or .jsonl file, or a folder for the shards")
     config.path = (job_dir / Path(config.path).expanduser()).resolve()
+    try:
+        output_format_of(config.path)
+    except ValueError as error:
+        raise locate("output.path", str(error)) from None
 
 
 def _refuse_output_over_input(locate: Callable, config: JobConfig) -> None:

@@ -1,17 +1,19 @@
 """The job's plan pass: every input row read once, in batches, and planned in bounded memory.
 
-Each batch of rows is turned into requests (the job's sampling with the row's overrides),
-encoded in batched tokenizer calls (a batch ahead, in a background thread) and checked
-(`plan.plan_requests`). A row that cannot run
-is handed to `on_error` at once; a planned row goes to the `RowStore` (its input row and
-request, on disk) and into the `RadixTree` (its token count and block-hash chain, in memory),
-keyed by its store position. The tree's order over the whole input then runs rows that share
-a prefix together however far apart they sit in the input.
+The one planning entry of a job, for every task and executor (`batchgen plan`, a local run, a
+run on Ray). Each batch of rows is turned into requests by the job's task (`generate.GenerateTask`:
+one request a row; `score.ScoreTask`: one a continuation), encoded in batched tokenizer calls (a
+batch ahead, in a background thread) and checked (`plan.requests.plan_requests`). A row that
+cannot run is handed to `on_error` at once; a planned request goes to the `RowStore` (what its
+output needs of the input row, and the request, on disk) and into the `RadixTree` (its token
+count and block-hash chain, in memory), keyed by its store position. The tree's order over the
+whole input then runs rows that share a prefix together however far apart they sit in the input.
 
 Invariants:
-- Every row read is in exactly one of: the store (and the tree), or an `on_error` call.
-- `order` lists every store position once; `stats` are the tree's prefill totals, the run's
-  counters when the KV pool holds each shared prefix while its group runs.
+- Every row read is either in the store (each of its requests once) or in one `on_error` call.
+- `order` lists every store position once; a request read back has its store position as id.
+- `stats` are the tree's prefill totals: the run's counters when the KV pool holds each shared
+  prefix while its group runs.
 """
 
 from __future__ import annotations
@@ -19,106 +21,91 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree
+from batchgen.engine.request import Request
 from batchgen.io.readers import InputRow
 from batchgen.io.row_store import RowStore
-from batchgen.engine.request import Request
-from batchgen.plan.requests import PlanLimits, plan_requests
 from batchgen.job.prefetch import prefetched
-from batchgen.prompts import encode_batch
+from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree
+from batchgen.plan.requests import PlanLimits
 from batchgen.sampling_params import SamplingParams
 
-ErrorSink = Callable[[InputRow, int], None]  # (the row with `error` set, its number of samples)
+ErrorSink = Callable[[InputRow, int], None]  # (the row with `error` set, its number of output rows)
+
+
+@dataclass
+class PlannedRow:
+    """One planned request of an input row: the row (what its output needs: index, id, carried
+    columns), the request, which of the row's `num_choices` requests it is, and the sampling
+    fields in which the request differs from the job's (None: none)."""
+
+    row: InputRow
+    request: Request
+    choice: int = 0
+    num_choices: int = 1
+    param_overrides: dict | None = None
+
+
+class Task(Protocol):
+    """What a job's task tells the plan pass (see `generate.GenerateTask`, `score.ScoreTask`)."""
+
+    job_params: SamplingParams
+
+    def encode(self, tokenizer: Any, rows: list[InputRow]) -> Any: ...
+
+    def plan(self, tokenizer: Any, limits: PlanLimits, encoded: Any
+             ) -> tuple[list[PlannedRow], list[tuple[InputRow, int]]]: ...
 
 
 @dataclass
 class JobPlan:
-    store: RowStore  # one `_stored` record per planned row
+    store: RowStore  # one `_stored` record per planned request
     tree: RadixTree | None  # None once the run has what it needs (the order)
     order: np.ndarray  # store positions in run order
     stats: PlanStats
-    job_params: SamplingParams  # stored records with params None have these
+    task: Task
 
-    def record(self, position: int) -> tuple[InputRow, Request]:
-        """The planned row at `position`: what its output needs of the input row (index, id,
-        carried columns) and its request (the prompt's text is not kept: outputs do not hold it)."""
-        index, row_id, carried, token_ids, block_hashes, params, arrival_time, logprob_start = self.store.get(position)
-        request = Request(index, None, token_ids, block_hashes, params or self.job_params, arrival_time,
-                                 logprob_start)
-        return InputRow(index, row_id, None, None, carried, {}), request
+    def record(self, position: int) -> PlannedRow:
+        """The planned request at `position`, its id the position (the prompt's text is not kept:
+        outputs do not hold it)."""
+        (index, row_id, carried, choice, num_choices, token_ids, block_hashes, overrides, arrival_time,
+         logprob_start, scored_token_ids) = self.store.get(position)
+        params = dataclasses.replace(self.task.job_params, **overrides) if overrides else self.task.job_params
+        request = Request(position, None, token_ids, block_hashes, params, arrival_time, logprob_start,
+                          scored_token_ids)
+        return PlannedRow(InputRow(index, row_id, None, None, carried, {}), request, choice, num_choices, overrides)
 
-    def in_order(self) -> Iterator[tuple[InputRow, Request]]:
-        """Every planned row with its request, in run order, read back one at a time."""
+    def in_order(self) -> Iterator[PlannedRow]:
+        """Every planned request in run order, read back one at a time."""
         for position in self.order:
             yield self.record(int(position))
 
     def prefix_groups(self, max_groups: int) -> list[PrefixGroup]:
         """The deepest shared prefixes (request ids are store positions)."""
-        return self.tree.prefix_groups(max_groups, lambda position: self.record(position)[1].token_ids)
+        return self.tree.prefix_groups(max_groups, lambda position: self.record(position).request.token_ids)
 
 
-def row_error(row_index: int, message: str) -> str:
-    """An error message that names its input row."""
-    return f"row {row_index}: {message}"
+def _stored(planned: PlannedRow) -> tuple:
+    """The record `JobPlan.record` reads back."""
+    row, request = planned.row, planned.request
+    return (row.index, row.id, row.carried, planned.choice, planned.num_choices, request.token_ids,
+            request.block_hashes, planned.param_overrides, request.arrival_time, request.logprob_start, request.scored_token_ids)
 
 
-def row_params(job_params: SamplingParams, row: InputRow) -> SamplingParams:
-    """The row's sampling: the job's, with the row's override columns on top (``ValueError`` if invalid)."""
-    if not row.overrides:
-        return job_params
-    try:
-        return SamplingParams(**{**job_params.to_dict(), **row.overrides})
-    except ValueError as error:
-        raise ValueError(f"row {row.index}: invalid sampling override: {error}") from None
-
-
-def split_rows(job_params: SamplingParams, rows: list[InputRow]
-               ) -> tuple[list[tuple[InputRow, SamplingParams]], list[InputRow]]:
-    """(rows for the engine with their sampling, bad rows with ``error`` set)."""
-    good, bad = [], []
-    for row in rows:
-        if row.error is None:
-            try:
-                good.append((row, row_params(job_params, row)))
-                continue
-            except ValueError as error:
-                row = dataclasses.replace(row, prompt=None, error=str(error))
-        bad.append(row)
-    return good, bad
-
-
-def _stored(row: InputRow, request: Request, job_params: SamplingParams) -> tuple:
-    """The record `JobPlan.record` reads back; params None when they are the job's."""
-    params = None if request.params is job_params else request.params
-    return (row.index, row.id, row.carried, request.token_ids, request.block_hashes, params, request.arrival_time,
-            request.logprob_start)
-
-
-def plan_job_rows(batches: Iterable[list[InputRow]], tokenizer, limits: PlanLimits, job_params: SamplingParams,
+def plan_job_rows(task: Task, batches: Iterable[list[InputRow]], tokenizer: Any, limits: PlanLimits,
                   store: RowStore, on_error: ErrorSink) -> JobPlan:
     """Plan every row of `batches` (see the module docstring); the next batch is read and
     encoded in a background thread while this one is checked and stored."""
     tree = RadixTree(limits.block_size)
-    for good, bad, encoded in prefetched(_encoded(batches, tokenizer, job_params)):
-        for row in bad:
-            on_error(row, job_params.n)
-        by_index = {row.index: row for row, _ in good}
-        requests = [(row.index, row.prompt, params) for row, params in good]
-        planned, errors = plan_requests(tokenizer, requests, limits, encoded=encoded)
-        for error in errors:
-            row = by_index[error.request_id]
-            on_error(dataclasses.replace(row, prompt=None, error=row_error(row.index, error.message)), error.n)
-        for request in planned:
-            position = store.append(_stored(by_index[request.request_id], request, job_params))
+    for encoded in prefetched(task.encode(tokenizer, rows) for rows in batches):
+        planned, failed = task.plan(tokenizer, limits, encoded)
+        for row, num_outputs in failed:
+            on_error(row, num_outputs)
+        for item in planned:
+            position = store.append(_stored(item))
+            request = item.request
             tree.insert(position, request.token_ids, request.block_hashes, request.max_reused_tokens)
-    return JobPlan(store, tree, tree.order_indices(), tree.stats(), job_params)
-
-
-def _encoded(batches: Iterable[list[InputRow]], tokenizer, job_params: SamplingParams) -> Iterator[tuple]:
-    """Per batch: (rows for the engine with their sampling, bad rows, the good rows' `encode_batch`)."""
-    for rows in batches:
-        good, bad = split_rows(job_params, rows)
-        yield good, bad, encode_batch(tokenizer, [row.prompt for row, _ in good])
+    return JobPlan(store, tree, tree.order_indices(), tree.stats(), task)

@@ -27,19 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.engine.block_hash import BlockHash, hash_blocks
+from batchgen.engine.request import reuse_cap
+from batchgen.engine.stats import TokenCounts
 
 CHUNK_ROWS = 8192  # inserted requests buffered in Python lists before becoming arrays
 
 
 @dataclass
-class PlanStats:
-    """Prompt-token totals of a plan (prefill counts assume a large enough KV pool)."""
+class PlanStats(TokenCounts):
+    """A plan's requests and prompt-token counters (see `TokenCounts`: the computed and cached
+    counts assume a KV pool large enough to hold each shared prefix while its group runs)."""
 
-    num_requests: int
-    num_prompt_tokens: int
-    num_tokens_to_prefill: int
-    num_cached_tokens: int  # = num_prompt_tokens - num_tokens_to_prefill
-    ideal_hit_rate: float  # = num_cached_tokens / num_prompt_tokens, 0.0 when no tokens
+    num_requests: int = 0
 
 
 @dataclass
@@ -93,10 +92,10 @@ class RadixTree:
         """Add one prompt; request ids must be unique (ValueError at the first query otherwise).
         ``block_hashes``: the prompt's chain (``hash_blocks(token_ids, block_size)``) when the
         caller has it already; ``max_reused_tokens``: how many leading tokens may come from the
-        cache (default all but the last; fewer for a request that scores its prompt)."""
+        cache (default: `reuse_cap` of a request that scores nothing)."""
         if block_hashes is None:
             block_hashes = hash_blocks(list(token_ids), self.block_size)
-        max_reused = len(token_ids) - 1 if max_reused_tokens is None else max_reused_tokens
+        max_reused = reuse_cap(len(token_ids), None) if max_reused_tokens is None else max_reused_tokens
         pending = self._pending
         pending["ids"].append(request_id)
         pending["tokens"].append(len(token_ids))
@@ -194,8 +193,8 @@ class RadixTree:
         """Prefill totals when requests run in ``order()`` and no cached block is evicted (see `cached_tokens`)."""
         tokens = self.num_tokens()
         num_prompt_tokens, num_cached = int(tokens.sum()), int(self.cached_tokens().sum())
-        hit_rate = num_cached / num_prompt_tokens if num_prompt_tokens else 0.0
-        return PlanStats(len(tokens), num_prompt_tokens, num_prompt_tokens - num_cached, num_cached, hit_rate)
+        return PlanStats(num_prompt_tokens=num_prompt_tokens, num_computed_prompt_tokens=num_prompt_tokens - num_cached,
+                         num_cached_prompt_tokens=num_cached, num_requests=len(tokens))
 
     def num_tokens(self) -> np.ndarray:
         """The prompt's token count of each request, by insertion index."""

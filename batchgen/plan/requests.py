@@ -61,14 +61,19 @@ class Plan:
 
 @dataclass
 class PlanLimits:
-    """What a prompt must fit: the KV block size, the longest prompt, the vocabulary, and the
-    constraint check (raises ValueError for a constraint that cannot run; by default the
-    grammar check alone, the engine's compiler also compiles it for its vocabulary)."""
+    """What a prompt must fit: the KV block size, the model's length (prompt and output), the
+    vocabulary, and the constraint check (raises ValueError for a constraint that cannot run; by
+    default the grammar check alone, the engine's compiler also compiles it for its vocabulary)."""
 
     block_size: int
-    max_prompt_len: int
+    max_model_len: int
     vocab_size: int
     check_constraint: Callable[[SamplingParams], Any] = constraints.check
+
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt that generates: it leaves room for one output token."""
+        return self.max_model_len - 1
 
 
 def plan_requests(tokenizer: Any, requests: list[tuple[int, Any, SamplingParams]], limits: PlanLimits,
@@ -118,11 +123,16 @@ def build_plan(tokenizer: Any, requests: Iterable[tuple[int, Any, SamplingParams
     return Plan(limits.block_size, [by_id[request_id] for request_id in tree.order()], errors, tree.stats(), tree)
 
 
-def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], limits: PlanLimits) -> Plan:
-    """The plan of `(request_id, (context, continuation))` scoring requests: each pair is split
-    and encoded as `batchgen.plan.scoring` says; a malformed pair is an error of the plan."""
+SCORING_PARAMS = SamplingParams(max_tokens=1)  # a scoring request generates nothing
+
+
+def score_requests(tokenizer: Any, pairs: Iterable[tuple[int, Any]]
+                   ) -> tuple[list[tuple[int, list[int], SamplingParams]], dict[int, tuple[int, list[int]]],
+                              list[PromptError]]:
+    """`(request_id, (context, continuation))` pairs as `plan_requests` takes them: (the requests,
+    their `scores`, the errors of malformed pairs). Each pair is split and encoded as
+    `batchgen.plan.scoring` says."""
     requests, scores, errors = [], {}, []
-    params = SamplingParams(max_tokens=1)
     for request_id, pair in pairs:
         try:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
@@ -132,7 +142,14 @@ def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], limits: P
             errors.append(PromptError(request_id, None, 1, str(error), time.time()))
             continue
         scores[request_id] = (len(context_ids), context_ids + continuation_ids)
-        requests.append((request_id, scores[request_id][1][:-1], params))
+        requests.append((request_id, scores[request_id][1][:-1], SCORING_PARAMS))
+    return requests, scores, errors
+
+
+def build_score_plan(tokenizer: Any, pairs: Iterable[tuple[int, Any]], limits: PlanLimits) -> Plan:
+    """The plan of `(request_id, (context, continuation))` scoring requests (`score_requests`); a
+    malformed pair is an error of the plan."""
+    requests, scores, errors = score_requests(tokenizer, pairs)
     plan = build_plan(tokenizer, requests, limits, scores)
     plan.errors = errors + plan.errors
     return plan

@@ -3,7 +3,10 @@ values, with the same messages (the job file adds its path, line and section).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 import yaml
 
 from batchgen import LLM
@@ -51,11 +54,20 @@ def test_job_file_and_llm_refuse_the_same_values_with_the_same_message(tmp_path,
 def test_job_file_and_llm_accept_the_same_values_alike(tmp_path, options):
     from_job = load_job(write_job(tmp_path, options)).engine
     llm = LLM(tiny_model(), tokenizer=tiny_tokenizer(), **options)
-    assert llm.config == from_job
+    resolved = from_job.resolved(torch.device("cpu"), torch.float32)  # the tiny model's device and dtype
+    assert dataclasses.replace(llm.config, kv_cache_memory=resolved.kv_cache_memory) == resolved
+    assert 0 < llm.config.kv_cache_memory <= (from_job.kv_cache_memory or llm.config.kv_cache_memory)
 
 
-def test_a_null_token_budget_is_the_devices_default_and_a_number_is_kept():
-    assert EngineConfig().batched_tokens("cpu") == 2048 and EngineConfig().batched_tokens("cuda") == 8192
-    assert EngineConfig(max_num_batched_tokens=100).batched_tokens("cuda") == 100
+def test_automatic_options_are_resolved_once_and_reported():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().resolved(cpu, torch.bfloat16).max_num_batched_tokens == 2048
+    assert EngineConfig().resolved(cuda, torch.bfloat16).max_num_batched_tokens == 8192
+    assert EngineConfig(max_num_batched_tokens=100).resolved(cuda, torch.float16).max_num_batched_tokens == 100
+    assert (EngineConfig().resolved(cpu, torch.bfloat16).device, EngineConfig().resolved(cpu, torch.bfloat16).dtype) \
+        == ("cpu", "bfloat16")
     llm = LLM(tiny_model(), tokenizer=tiny_tokenizer(), kv_cache_memory=2**20, max_num_batched_tokens=None)
-    assert llm.engine.scheduler.max_num_batched_tokens == 2048
+    assert llm.engine.scheduler.max_num_batched_tokens == llm.config.max_num_batched_tokens == 2048
+    assert (llm.config.device, llm.config.dtype) == ("cpu", "float32")
+    block_bytes = llm.config.block_size * llm.engine.runner.spec.bytes_per_token
+    assert llm.config.kv_cache_memory == llm.engine.runner.num_blocks * block_bytes <= 2**20

@@ -102,3 +102,24 @@ def test_eval_command_runs_lm_evals_command_line_with_batchgen(task_dir, model_d
                                        "--output_path", str(tmp_path / "results")], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "tiny_mc" in result.output and "acc" in result.output
+
+
+def test_eval_command_uses_batchgens_device_unless_one_is_given(task_dir, model_dir, monkeypatch, tmp_path):
+    """lm-eval's own default device (cuda:0) must not reach the engine: `auto` picks the CPU here."""
+    from click.testing import CliRunner
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    devices = []
+    real_init = batchgen.integrations.lm_eval.BatchgenLM.__init__
+
+    def init(self, *args, **kwargs):
+        devices.append(kwargs.get("device"))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(batchgen.integrations.lm_eval.BatchgenLM, "__init__", init)
+    base = ["eval", "--tasks", "tiny_mc", "--include_path", str(task_dir), "--limit", "2",
+            "--model_args", f"pretrained={model_dir},dtype=float32"]
+    assert CliRunner().invoke(main, base, catch_exceptions=False).exit_code == 0
+    assert CliRunner().invoke(main, [*base, "--device", "cpu"], catch_exceptions=False).exit_code == 0
+    assert devices == ["auto", "cpu"]

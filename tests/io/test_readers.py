@@ -188,6 +188,14 @@ def test_malformed_jsonl_lines_become_bad_rows(tmp_path):
     assert rows[4].index == 4 and rows[4].error is None
 
 
+def test_a_jsonl_file_starting_with_a_utf8_bom_keeps_its_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "one", "id": "a"}\n{"prompt": "two", "id": "b"}\n')
+    rows = read(make_spec(path, id_column="id"))
+    assert [(row.id, row.prompt, row.error) for row in rows] == [("a", "one", None), ("b", "two", None)]
+    assert open_source(make_spec(path)).columns == ["prompt", "id"]
+
+
 def test_messages_nulls_from_arrow_structs_are_dropped():
     messages = [{"role": "system", "content": "be brief", "name": "x"}, {"role": "user", "content": "hi"}]
     [row] = rows_of([{"prompt": messages}], apply_chat_template=True)

@@ -52,7 +52,7 @@ def test_good_job_loads_with_defaults_and_relative_paths(job_dir, tmp_path_facto
     config = load_job(write_job(job_dir, GOOD_JOB))
     assert config.model is None
     assert config.engine.block_size == 8 and config.engine.dtype == "auto"
-    assert config.engine.max_num_batched_tokens is None and config.engine.batched_tokens("cpu") == 2048
+    assert config.engine.max_num_batched_tokens is None
     assert config.input.path == job_dir / "data" / "prompts.jsonl"
     assert config.input.format == "jsonl"
     assert config.input.prompt_column == "question" and config.input.carry_columns == []
@@ -186,7 +186,7 @@ def test_hf_hub_needs_a_dataset_name_and_no_path(job_dir):
 def test_missing_paths_are_required(job_dir):
     no_output = GOOD_JOB.replace("output:\n  path: out/answers.parquet\n", "")
     message = load_error(job_dir, no_output)
-    assert message.endswith("job.yaml: output.path: required: a .parquet file or a folder for the shards")
+    assert message.endswith("job.yaml: output.path: required: a .parquet or .jsonl file, or a folder for the shards")
     no_input = GOOD_JOB.replace("  path: data/prompts.jsonl\n", "")
     assert ":4: input.path: required" in load_error(job_dir, no_input)
 
@@ -256,6 +256,6 @@ def test_executor_and_ray_options_are_checked_with_their_line(job_dir):
 
 def test_a_score_job_runs_locally_only():
     score_job = Path(__file__).resolve().parents[2] / "jobs" / "score.yaml"
-    with pytest.raises(JobConfigError, match=r"command line: executor: executor: ray runs task: generate; "
+    with pytest.raises(JobConfigError, match=r"^command line: executor: ray runs task: generate only; "
                                              r"a score job runs on one machine \(executor: local\)"):
         load_job(score_job, {"executor": "ray"})

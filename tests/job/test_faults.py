@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from batchgen import models
 from batchgen.job import run as job_run
+from batchgen.job.output import job_description, open_writer
 from batchgen.cli import main
 from batchgen.job.config import load_job
 from batchgen.io import commit as commit_module
@@ -38,10 +39,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Fail the test if the job gets as far as loading a model."""
-    def refuse(config):
-        raise AssertionError("the model was loaded before the job was refused")
-    monkeypatch.setattr(job_run, "load_llm", refuse)
+    """Fail the test if the job gets as far as loading a model or a tokenizer."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model or its tokenizer was loaded before the job was refused")
+    for name in ("load_model", "load_tokenizer_and_config", "load_tokenizer"):
+        monkeypatch.setattr(models, name, refuse)
 
 
 def invoke(*args):
@@ -121,8 +123,9 @@ def test_files_batchgen_did_not_write_are_never_replaced_or_deleted(tmp_path, mo
 def test_a_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, model_dir, no_model_load):
     job = job_file(tmp_path, model_dir)
     config = load_job(job)
-    table, schema = job_run.open_input(config)
-    with job_run.open_writer(config, schema):
+    task, executor = job_run.task_and_executor(config)
+    schema = job_run.output_schema(config, task, executor, job_run.open_input(config))
+    with open_writer(config, schema):
         result = invoke("run", job)
     assert result.exit_code == 101
     assert f"another batchgen run (pid {os.getpid()}) is writing" in result.output
@@ -293,7 +296,7 @@ def test_default_model_aliases_are_the_default_model(tmp_path, model_dir):
                                  for line in job.read_text().splitlines()))
         config = load_job(job)
         assert config.model is None
-        descriptions.append(job_run.job_description(config))
+        descriptions.append(job_description(config))
     assert descriptions[0] == descriptions[1] == descriptions[2]
 
 

@@ -122,15 +122,25 @@ def test_two_workers_write_every_row_once_as_one_process_does_and_compute_each_p
     print(f"prompt tokens computed: one process {single}, 2 workers {on_ray}, random placement {random_placement}")
     assert abs(on_ray - single) <= 0.05 * single
     assert on_ray < 0.7 * random_placement
-    assert summary.num_computed_prompt_tokens == on_ray and summary.num_rows_ok == NUM_GROUPS * ROWS_PER_GROUP
+    assert summary.tokens.num_computed_prompt_tokens == on_ray and summary.num_rows_ok == NUM_GROUPS * ROWS_PER_GROUP
     # a rerun of the finished job does nothing
     again = run_job(load_job(write_job(tmp_path, model_dir, input_path, "ray", executor="ray")), use_tqdm=False)
     assert again.is_nothing_to_do
 
 
+def test_workers_the_ray_instance_cannot_place_are_refused_at_once(cluster, tmp_path, model_dir, input_path):
+    started = time.time()
+    with pytest.raises(JobConfigError, match=r"ray.num_cpus_per_worker: 3 workers x 1 CPU need 3 CPUs, and this "
+                                             r"Ray instance has 2: lower ray.num_workers"):
+        run_job(load_job(write_job(tmp_path, model_dir, input_path, "ray", executor="ray", num_workers=3)),
+                use_tqdm=False)
+    assert time.time() - started < 60  # no wait for workers that cannot start
+    assert not (tmp_path / "ray.parquet.shards").exists()  # nothing was committed: nothing is left
+
+
 def generate_processes() -> list:
     return [process for process in psutil.process_iter(["cmdline"])
-            if "MapBatches(Generate)" in " ".join(process.info["cmdline"] or [])]
+            if "MapBatches(PlanWorker)" in " ".join(process.info["cmdline"] or [])]
 
 
 def test_a_worker_killed_mid_job_is_retried_and_every_row_is_written_once(cluster, tmp_path, model_dir, input_path):

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from batchgen import LLM, SamplingParams
 from batchgen.job.config import JobConfigError, load_job
 from batchgen.io.manifest import MANIFEST_NAME
+from batchgen.job.generate import row_seed
 from batchgen.job.run import plan_job, run_job
 from tests.conftest import TINY_VOCAB, tiny_model
 
@@ -233,9 +234,9 @@ def test_plan_predicts_the_run_counters(tmp_path, model_dir):
     report = plan_job(config)
     summary = run_job(config, use_tqdm=False)
     assert report.num_requests == 13 and report.num_bad_rows == 0
-    assert report.num_prompt_tokens == summary.num_prompt_tokens == 5 * 13 + 3 * 10 + 2 * 21 + 3 * 3
-    assert report.num_tokens_to_prefill == summary.num_computed_prompt_tokens
-    assert report.num_cached_tokens == summary.num_cached_prompt_tokens == 4 * 12 + 2 * 8 + 1 * 20
+    assert report.tokens.num_prompt_tokens == summary.tokens.num_prompt_tokens == 5 * 13 + 3 * 10 + 2 * 21 + 3 * 3
+    assert report.tokens.num_computed_prompt_tokens == summary.tokens.num_computed_prompt_tokens
+    assert report.tokens.num_cached_prompt_tokens == summary.tokens.num_cached_prompt_tokens == 4 * 12 + 2 * 8 + 1 * 20
     # most tokens saved first: (5 - 1) * 12, then (2 - 1) * 20, then (3 - 1) * 8
     assert [(g.num_requests, g.num_shared_tokens) for g in report.prefix_groups] == [(5, 12), (2, 20), (3, 8)]
     assert report.prefix_groups[0].snippet == f'"{words(*range(10, 22))}"'
@@ -253,7 +254,7 @@ def test_plan_and_run_agree_on_prompts_too_long_for_the_model(tmp_path, model_di
     assert report.bad_row_errors == ["row 1: prompt has 2100 tokens; the limit is 2047"]
     summary = run_job(config, use_tqdm=False)
     assert summary.num_rows_failed == 1
-    assert report.num_tokens_to_prefill == summary.num_computed_prompt_tokens
+    assert report.tokens.num_computed_prompt_tokens == summary.tokens.num_computed_prompt_tokens
     assert "2100 tokens" in read_output(config.output.path)[1]["error"]
 
 
@@ -263,10 +264,11 @@ def test_plan_report_lists_bad_rows_and_prints_text_and_json(tmp_path, model_dir
     assert (report.num_rows, report.num_requests, report.num_bad_rows) == (3, 2, 1)
     assert report.bad_row_errors == ["row 1: column 'prompt' is null"]
     text = report.to_text()
-    assert "requests           2 of 3 rows (1 bad)" in text
+    assert "rows               3 (1 bad, each an error row)" in text and "requests           2 to run" in text
     assert "no prefix of a full block (4 tokens) is shared" in text
     assert "run order (ids): 0, 2" in text and "  row 1: column 'prompt' is null" in text
-    assert json.loads(json.dumps(report.to_dict()))["num_prompt_tokens"] == 5
+    as_json = json.loads(json.dumps(report.to_dict()))
+    assert as_json["tokens"]["num_prompt_tokens"] == 5 and as_json["prefix_hit_rate"] == 0.0
 
 
 def test_resume_skips_committed_rows_and_matches_one_full_run(tmp_path, model_dir):
@@ -327,9 +329,24 @@ def test_n_samples_give_one_row_each_with_sample_index(tmp_path, model_dir, llm)
     summary = run_job(load_job(job), use_tqdm=False)
     rows = read_output(tmp_path / "out" / "answers.parquet")
     assert [(row["row_index"], row["sample_index"]) for row in rows] == [(i, s) for i in range(3) for s in range(2)]
-    expected = llm.generate([r["prompt"] for r in PLAIN_RECORDS[:3]], SamplingParams(**sampling), use_tqdm=False)
+    row_params = [SamplingParams(**{**sampling, "seed": row_seed(11, str(i))}) for i in range(3)]  # ids: row numbers
+    expected = llm.generate([r["prompt"] for r in PLAIN_RECORDS[:3]], row_params, use_tqdm=False)
     assert [row["output_text"] for row in rows] == [c.text for output in expected for c in output.outputs]
     assert summary.num_rows_ok == 6
+
+
+def test_a_job_seed_gives_each_row_its_own_reproducible_seed(tmp_path, model_dir):
+    """Repeated prompts under a job-level seed vary from row to row, and a rerun repeats them exactly."""
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": words(10, 11, 12)} for i in range(4)])
+    sampling = {"seed": 5, "temperature": 1.0, "max_tokens": 8}
+    spec = {"path": "in.jsonl", "apply_chat_template": False, "id_column": "id"}
+    job = write_job(tmp_path, model_dir, spec, sampling=sampling)
+    run_job(load_job(job), use_tqdm=False)
+    run_job(load_job(job, {"output.path": str(tmp_path / "again.parquet")}), use_tqdm=False)
+    first = [row["output_text"] for row in read_output(tmp_path / "out" / "answers.parquet")]
+    again = [row["output_text"] for row in read_output(tmp_path / "again.parquet")]
+    assert first == again
+    assert len(set(first)) == 4
 
 
 def test_summary_is_saved_beside_the_output_with_timing_columns(tmp_path, model_dir):
@@ -339,7 +356,14 @@ def test_summary_is_saved_beside_the_output_with_timing_columns(tmp_path, model_
     summary = run_job(load_job(job), use_tqdm=False)
     saved = json.loads((tmp_path / "out" / "answers.parquet.summary.json").read_text())
     assert saved == summary.to_dict()
-    assert saved["num_output_tokens"] == 12 and saved["peak_rss_bytes"] > 0 and saved["wall_s"] > 0
+    assert saved["tokens"]["num_output_tokens"] == 12 and saved["peak_rss_bytes"] > 0
+    # model loading and planning are reported apart from generation, and the rates are over generation alone
+    assert saved["load_s"] > 0 and saved["generate_s"] > 0
+    assert saved["load_s"] + saved["plan_s"] + saved["generate_s"] <= saved["wall_s"]
+    assert saved["output_tokens_per_s"] == pytest.approx(12 / saved["generate_s"])
+    # the engine's automatic options, as resolved on this machine
+    assert (saved["engine"]["device"], saved["engine"]["max_num_batched_tokens"]) == ("cpu", 2048)
+    assert saved["engine"]["kv_cache_memory"] > 0 and "model load" in summary.to_text()
     for row in read_output(tmp_path / "out" / "answers.parquet"):
         assert row["arrival_time"] <= row["first_token_time"] <= row["finished_time"]
         assert row["e2e_s"] == pytest.approx(row["finished_time"] - row["arrival_time"])
@@ -348,3 +372,30 @@ def test_summary_is_saved_beside_the_output_with_timing_columns(tmp_path, model_
         assert row["itl_p50_s"] <= row["itl_p99_s"] <= row["itl_max_s"]
     metadata = pq.read_schema(tmp_path / "out" / "answers.parquet").metadata
     assert b"batchgen.fingerprint" in metadata and b"torch.version" in metadata
+
+
+def test_a_jsonl_output_is_the_parquet_output_as_json_lines_in_input_order(tmp_path, model_dir):
+    write_jsonl(tmp_path / "in.jsonl", PLAIN_RECORDS)
+    spec = {"path": "in.jsonl", "apply_chat_template": False, "id_column": "qid", "carry_columns": ["topic"]}
+    run_job(load_job(write_job(tmp_path, model_dir, spec)), use_tqdm=False)
+    jsonl_job = write_job(tmp_path, model_dir, spec, output={"path": "out/answers.jsonl", "shard_size": 3},
+                          name="jsonl.yaml")
+    run_job(load_job(jsonl_job), limit=5, use_tqdm=False)  # resumed: the final file is rebuilt from every shard
+    summary = run_job(load_job(jsonl_job), use_tqdm=False)
+    assert summary.num_skipped_rows == 5
+    lines = [json.loads(line) for line in (tmp_path / "out" / "answers.jsonl").read_text().splitlines()]
+    parquet = read_output(tmp_path / "out" / "answers.parquet")
+    assert [line["row_index"] for line in lines] == list(range(len(PLAIN_RECORDS)))
+    untimed = lambda row: {k: v for k, v in row.items() if not k.endswith(("_s", "_time", "cached_tokens"))}  # noqa: E731
+    assert [untimed(line) for line in lines] == [untimed(row) for row in parquet]
+    assert lines[0]["id"] == "q0" and lines[0]["topic"] == "t0"
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".json", ".txt"])
+def test_an_output_path_of_a_format_batchgen_does_not_write_is_refused(tmp_path, model_dir, suffix):
+    write_jsonl(tmp_path / "in.jsonl", PLAIN_RECORDS[:1])
+    job = write_job(tmp_path, model_dir, {"path": "in.jsonl"}, output={"path": f"out/answers{suffix}"})
+    with pytest.raises(JobConfigError, match=rf":\d+: output.path: .*answers{suffix}': batchgen writes a .parquet "
+                                             rf"or .jsonl file, or a folder of Parquet shards"):
+        load_job(job)
+    assert not (tmp_path / "out").exists()

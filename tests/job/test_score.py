@@ -58,7 +58,7 @@ def test_the_plan_counts_each_shared_context_once_and_the_run_agrees(tmp_path, m
     report = plan_job(load_job(job))
     summary = run_job(load_job(job), use_tqdm=False)
     assert report.num_requests == len(RECORDS)
-    assert summary.num_computed_prompt_tokens == report.num_tokens_to_prefill < report.num_prompt_tokens
+    assert summary.tokens.num_computed_prompt_tokens == report.tokens.num_computed_prompt_tokens < report.tokens.num_prompt_tokens
     assert report.prefix_groups[0].num_requests == len(RECORDS)
 
 

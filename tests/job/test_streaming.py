@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.job import run as job_run
+from batchgen.job import local as job_local
 from batchgen.job.config import load_job
 from batchgen.io import readers
 from batchgen.job.run import plan_job, run_job
@@ -47,13 +47,13 @@ def output_rows(config) -> list[dict]:
 @pytest.fixture
 def captured_llms(monkeypatch) -> list:
     llms = []
-    real_load = job_run.load_llm
+    real_load = job_local.load_llm
 
     def load(config):
         llms.append(real_load(config))
         return llms[-1]
 
-    monkeypatch.setattr(job_run, "load_llm", load)
+    monkeypatch.setattr(job_local, "load_llm", load)
     return llms
 
 
@@ -61,7 +61,7 @@ def test_a_streamed_run_equals_one_window_row_for_row(tmp_path, model_dir, monke
     whole = streamed_job(tmp_path, model_dir, "whole")
     run_job(whole, use_tqdm=False)
     monkeypatch.setattr(readers, "BATCH_ROWS", 4)
-    monkeypatch.setattr(job_run, "WAITING_ROWS_PER_SEQ", 1)
+    monkeypatch.setattr(job_local, "WAITING_ROWS_PER_SEQ", 1)
     streamed = streamed_job(tmp_path, model_dir, "streamed")
     streamed.engine.max_num_seqs = 3
     summary = run_job(streamed, use_tqdm=False)
@@ -75,11 +75,11 @@ def test_a_streamed_run_equals_one_window_row_for_row(tmp_path, model_dir, monke
 
 def test_rows_sharing_a_prefix_far_apart_are_computed_once(tmp_path, model_dir, monkeypatch):
     monkeypatch.setattr(readers, "BATCH_ROWS", 5)
-    monkeypatch.setattr(job_run, "WAITING_ROWS_PER_SEQ", 1)
+    monkeypatch.setattr(job_local, "WAITING_ROWS_PER_SEQ", 1)
     config = streamed_job(tmp_path, model_dir, "spread")
     config.engine.max_num_seqs = 2
     plan = plan_job(config)
-    assert plan.num_cached_tokens > 0
+    assert plan.tokens.num_cached_prompt_tokens > 0
     summary = run_job(config, use_tqdm=False)
-    assert summary.num_computed_prompt_tokens == plan.num_tokens_to_prefill
-    assert summary.num_cached_prompt_tokens == plan.num_cached_tokens
+    assert summary.tokens.num_computed_prompt_tokens == plan.tokens.num_computed_prompt_tokens
+    assert summary.tokens.num_cached_prompt_tokens == plan.tokens.num_cached_prompt_tokens

@@ -32,7 +32,7 @@ def test_groups_smaller_than_a_share_stay_whole_and_the_load_is_balanced():
     loads = np.bincount(parts, weights=costs, minlength=2)
     assert loads.max() / loads.sum() <= 0.52  # 32 + 3k per group of k: 62, 50, 44, 38 pack as 100 / 94
     computed = (tree.num_tokens() - tree.cached_tokens(parts)).sum()
-    assert computed == tree.stats().num_tokens_to_prefill  # every prefix still computed once
+    assert computed == tree.stats().num_computed_prompt_tokens  # every prefix still computed once
 
 
 def test_a_group_larger_than_a_share_is_split_and_only_it():
@@ -42,9 +42,9 @@ def test_a_group_larger_than_a_share_is_split_and_only_it():
     placed = {group: {int(parts[i]) for i, g in enumerate(group_of) if g == group} for group in set(group_of)}
     assert placed[0] == {0, 1} and all(len(placed[group]) == 1 for group in (1, 2, 3))
     computed = (tree.num_tokens() - tree.cached_tokens(parts)).sum()
-    assert computed == tree.stats().num_tokens_to_prefill + PREFIX_TOKENS  # the split prefix, once more
+    assert computed == tree.stats().num_computed_prompt_tokens + PREFIX_TOKENS  # the split prefix, once more
     random = (tree.num_tokens() - tree.cached_tokens(random_parts(len(group_of), 2))).sum()
-    assert random >= tree.stats().num_tokens_to_prefill + 3 * PREFIX_TOKENS
+    assert random >= tree.stats().num_computed_prompt_tokens + 3 * PREFIX_TOKENS
 
 
 def test_each_partition_lists_its_rows_once_in_run_order():

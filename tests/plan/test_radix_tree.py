@@ -24,9 +24,9 @@ def test_shared_prefix_is_prefilled_once():
     stats = tree.stats()
     assert stats.num_requests == 16
     assert stats.num_prompt_tokens == 16 * 165
-    assert stats.num_tokens_to_prefill == 160 + 16 * 5
-    assert stats.num_cached_tokens == 16 * 165 - (160 + 16 * 5)
-    assert stats.ideal_hit_rate == pytest.approx(stats.num_cached_tokens / (16 * 165))
+    assert stats.num_computed_prompt_tokens == 160 + 16 * 5
+    assert stats.num_cached_prompt_tokens == 16 * 165 - (160 + 16 * 5)
+    assert stats.prefix_hit_rate == pytest.approx(stats.num_cached_prompt_tokens / (16 * 165))
     assert tree.order() == list(range(16))
     assert groups(tree, prompts) == [PrefixGroup(16, 160, prefix, list(range(16)))]
 
@@ -34,14 +34,14 @@ def test_shared_prefix_is_prefilled_once():
 def test_duplicates_with_partial_tail_reuse_all_full_blocks():
     prompts = {0: list(range(40)), 1: list(range(40)), 2: list(range(40))}
     tree = build(prompts)
-    assert tree.stats().num_tokens_to_prefill == 40 + 8 + 8
+    assert tree.stats().num_computed_prompt_tokens == 40 + 8 + 8
     assert tree.order() == [0, 1, 2]
     assert groups(tree, prompts) == [PrefixGroup(3, 32, list(range(32)), [0, 1, 2])]
 
 
 def test_block_aligned_duplicates_recompute_their_last_block():
     tree = build({0: list(range(32)), 1: list(range(32)), 2: list(range(32))})
-    assert tree.stats().num_tokens_to_prefill == 32 + 16 + 16
+    assert tree.stats().num_computed_prompt_tokens == 32 + 16 + 16
 
 
 def test_block_aligned_prefix_of_another_runs_first():
@@ -50,8 +50,8 @@ def test_block_aligned_prefix_of_another_runs_first():
     stats = tree.stats()
     assert stats.num_prompt_tokens == 80
     # 1 computes its 32 tokens, 0 reuses both blocks and computes its last 16.
-    assert stats.num_tokens_to_prefill == 32 + 16
-    assert stats.num_cached_tokens == 32
+    assert stats.num_computed_prompt_tokens == 32 + 16
+    assert stats.num_cached_prompt_tokens == 32
 
 
 def test_unaligned_prefix_of_another_shares_only_full_blocks():
@@ -60,8 +60,8 @@ def test_unaligned_prefix_of_another_shares_only_full_blocks():
     assert tree.order() == [1, 0]
     stats = tree.stats()
     # The 8-token tail of 1 is not a full block, so 0 recomputes its third block.
-    assert stats.num_tokens_to_prefill == 40 + 16
-    assert stats.num_cached_tokens == 32
+    assert stats.num_computed_prompt_tokens == 40 + 16
+    assert stats.num_cached_prompt_tokens == 32
     assert groups(tree, prompts) == [PrefixGroup(2, 32, list(range(32)), [0, 1])]
 
 
@@ -71,9 +71,9 @@ def test_prompts_shorter_than_a_block_share_nothing():
     assert tree.order() == [0, 1, 2, 3, 4]
     stats = tree.stats()
     # A single-block prompt may reuse (16 - 1) // 16 = 0 blocks.
-    assert stats.num_tokens_to_prefill == 3 + 3 + 15 + 16 + 16
-    assert stats.num_cached_tokens == 0
-    assert stats.ideal_hit_rate == 0.0
+    assert stats.num_computed_prompt_tokens == 3 + 3 + 15 + 16 + 16
+    assert stats.num_cached_prompt_tokens == 0
+    assert stats.prefix_hit_rate == 0.0
     assert groups(tree, prompts) == [PrefixGroup(2, 16, [9] * 16, [3, 4])]
 
 
@@ -107,7 +107,7 @@ def test_nodes_are_told_apart_by_chain_hash_alone(monkeypatch):
     prompts = {0: [1] * 16 + [9], 1: [2] * 16 + [9], 2: [1] * 16 + [3]}
     tree = build(prompts)
     assert tree.order() == [0, 1, 2]
-    assert tree.stats().num_tokens_to_prefill == 17 + 1 + 1
+    assert tree.stats().num_computed_prompt_tokens == 17 + 1 + 1
 
 
 def test_prefix_groups_report_deepest_shared_prefixes_by_tokens_saved():
@@ -124,14 +124,14 @@ def test_prefix_groups_report_deepest_shared_prefixes_by_tokens_saved():
 def test_empty_tree():
     tree = RadixTree(block_size=16)
     assert tree.order() == []
-    assert tree.stats() == PlanStats(0, 0, 0, 0, 0.0)
+    assert tree.stats() == PlanStats(num_requests=0)
     assert tree.prefix_groups() == []
 
 
 def test_empty_prompt_counts_no_tokens():
     tree = build({0: [], 1: list(range(20))})
     assert tree.order() == [0, 1]
-    assert tree.stats() == PlanStats(2, 20, 20, 0, 0.0)
+    assert tree.stats() == PlanStats(num_prompt_tokens=20, num_computed_prompt_tokens=20, num_requests=2)
 
 
 def test_duplicate_request_id_is_rejected():
@@ -147,7 +147,7 @@ def test_deep_prompt_has_no_recursion_limit():
     tree = build(prompts)
     assert tree.order() == [1, 0, 2]
     # 1 computes everything; 0 reuses all 3125 blocks and computes its extra block + 2-token tail.
-    assert tree.stats().num_tokens_to_prefill == 50_000 + 18 + 20
+    assert tree.stats().num_computed_prompt_tokens == 50_000 + 18 + 20
     [group] = groups(tree, prompts)
     assert (group.num_requests, group.num_shared_tokens, group.request_ids) == (2, 50_000, [0, 1])
     assert group.shared_token_ids == long_prompt
@@ -200,7 +200,7 @@ def test_order_and_prefill_equal_a_plain_trie_on_random_prompts(seed, monkeypatc
     tree = build(prompts, block_size=4)
     order, prefill = reference_plan(prompts, 4)
     assert tree.order() == order
-    assert tree.stats().num_tokens_to_prefill == prefill
+    assert tree.stats().num_computed_prompt_tokens == prefill
     # partitions run apart, each in the order restricted to it, with a cache of its own
     ids = list(prompts)
     parts = [rng.randrange(3) for _ in ids]

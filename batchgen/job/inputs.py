@@ -1,0 +1,72 @@
+"""The job's input: opened and checked (every column the job names), then read in batches of rows.
+
+Invariants:
+- `open_input` raises ``JobConfigError`` (naming the key) for an input that cannot be read or
+  a column the job names that the input lacks; nothing else of the job is touched.
+- `row_batches` yields the job's first ``limit`` rows in input order, each once, without the
+  rows in ``skipped`` (committed by an earlier run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
+from batchgen.io.row_set import RowSet
+from batchgen.job.config import InputConfig, JobConfig
+
+
+def open_input(config: JobConfig) -> InputSource:
+    """The opened input, after checking every column the job names."""
+    try:
+        source = open_source(config.input)
+    except ValueError as error:
+        raise config.error("input.path", str(error)) from None
+    for key, columns in config.column_keys().items():
+        missing = [column for column in columns if column not in source.columns]
+        if missing:
+            raise config.error(key, f"no column {', '.join(map(repr, missing))} in the input; "
+                               f"available columns: {', '.join(source.columns) or '(none)'}")
+    return source
+
+
+def num_job_rows(source: InputSource, limit: int | None) -> int:
+    return source.num_rows if limit is None else min(limit, source.num_rows)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def input_spec_for(config: JobConfig, tokenizer: Any) -> InputConfig:
+    """How rows become prompts for this model: the job's input spec, except that plain text is
+    used as it is on a model whose tokenizer has no chat template (`apply_chat_template` then
+    has no effect, and a row of chat messages is a bad row)."""
+    if config.input.apply_chat_template and not has_chat_template(tokenizer):
+        return dataclasses.replace(config.input, apply_chat_template=False)
+    return config.input
+
+
+def chat_template_note(config: JobConfig, tokenizer: Any) -> str | None:
+    """What a plan or a validation says when the job asks for a chat template the model has not."""
+    if config.input.apply_chat_template and not has_chat_template(tokenizer):
+        return ("the model's tokenizer has no chat template: plain-text prompts are used as they are "
+                "(input.apply_chat_template has no effect), and rows of chat messages fail")
+    return None
+
+
+def row_batches(config: JobConfig, spec: InputConfig, source: InputSource, limit: int | None,
+                skipped: RowSet | None, use_tqdm: bool) -> Iterator[list[InputRow]]:
+    """The job's rows in input order, in batches, read with `spec`, without those in `skipped`;
+    a bar counts them."""
+    rows = iter_rows(source, spec, limit, config.sampling.overrides)
+    with tqdm(total=num_job_rows(source, limit), desc="plan", disable=not use_tqdm, unit="row") as bar:
+        for batch in rows:
+            bar.update(len(batch))
+            batch = [row for row in batch if row.index not in skipped] if skipped else batch
+            if batch:
+                yield batch
