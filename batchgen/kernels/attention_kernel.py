@@ -128,6 +128,6 @@ def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k
     if entry is None:
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors())):
+    if not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors())):
         return False
     return check_status(name, entry(*c_arguments(q, k_cache, v_cache, seqs, scale, out)))
