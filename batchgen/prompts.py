@@ -229,16 +229,18 @@ def apply_template(template: str, text: str, values: dict[str, Any]) -> str:
         raise BadRowError(f"prompt_template cannot be applied to this row: {error}") from None
 
 
-def shape_prompt(row_prompt: str | list[dict], spec: Any) -> str | list[dict]:
+def shape_prompt(row_prompt: str | list[dict], spec: Any, has_chat_template: bool = True) -> str | list[dict]:
     """Shape a checked prompt for the engine, following the input spec.
 
-    apply_chat_template true: text becomes [system?, user] messages; messages get the
-    system prompt prepended unless they already start with a system message (the row's
-    own wins). apply_chat_template false: text stays text, with system_prompt + "\\n\\n"
-    in front when set; messages are a bad row (they need a chat template).
+    apply_chat_template true (on a model with a chat template): text becomes [system?, user]
+    messages; messages get the system prompt prepended unless they already start with a system
+    message (the row's own wins). apply_chat_template false, or a model without a chat template:
+    text stays text, with system_prompt + "\\n\\n" in front when set; messages stay messages
+    when apply_chat_template is true (the model's tokenizer then refuses them), else they are a
+    bad row (they need a chat template).
     """
     system_prompt = spec.system_prompt
-    if spec.apply_chat_template:
+    if spec.apply_chat_template and (has_chat_template or not isinstance(row_prompt, str)):
         if isinstance(row_prompt, str):
             messages = [{"role": "user", "content": row_prompt}]
         else:

@@ -383,3 +383,27 @@ def test_garbage_collection_is_paced_while_outputs_are_taken_and_restored_after(
     assert gc.get_threshold()[0] == RUN_GC_THRESHOLD and gc.get_freeze_count() > 0
     assert len(list(outputs)) == 1
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_vllm_habits_prompt_dicts_tokenizer_chat_and_max_model_len(tmp_path):
+    from tests.job.test_run import save_tiny_model, word_tokenizer
+
+    folder = save_tiny_model(tmp_path / "model")
+    other = word_tokenizer()
+    other.chat_template = "{% for m in messages %}w20 {{ m['content'] }} {% endfor %}w21"
+    other.save_pretrained(tmp_path / "tokenizer")
+    llm = LLM(str(folder), tokenizer=str(tmp_path / "tokenizer"), kv_cache_memory=2**22, dtype="float32")
+    assert llm.get_tokenizer().chat_template == other.chat_template  # tokenizer= replaces the model's own
+    assert llm.max_model_len == llm.engine.max_model_len > 0
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    by_dict = llm.generate([{"prompt": "w10 w11"}, {"prompt_token_ids": [12, 13]}], greedy, use_tqdm=False)
+    plain = llm.generate(["w10 w11", [12, 13]], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in by_dict] == [o.outputs[0].token_ids for o in plain]
+    assert len(llm.generate({"prompt": "w10 w11"}, greedy, use_tqdm=False)) == 1
+    [refused] = llm.generate([{"prompt": "w10", "multi_modal_data": {"image": None}}], greedy, use_tqdm=False)
+    assert "multi_modal_data are not supported: batchgen runs text-only models" in refused.error
+    chat = [{"role": "user", "content": "w30"}]
+    [one] = llm.chat(chat, greedy, use_tqdm=False)
+    assert one.prompt_token_ids == other.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False)
+    assert len(llm.chat([chat, chat], greedy, use_tqdm=False)) == 2

@@ -223,8 +223,9 @@ def _unified_field(known: pa.Field | None, name: str, values: list) -> tuple[pa.
 
 
 def iter_rows(source: InputSource, spec: Any, limit: int | None = None, overrides: dict[str, str] | None = None,
-              batch_rows: int = BATCH_ROWS) -> Iterator[list[InputRow]]:
-    """The first `limit` rows (all when None) in input order, one InputRow each, `batch_rows` at a time.
+              batch_rows: int = BATCH_ROWS, has_chat_template: bool = True) -> Iterator[list[InputRow]]:
+    """The first `limit` rows (all when None) in input order, one InputRow each, `batch_rows` at a
+    time, their prompts shaped for a model with or without a chat template (`shape_prompt`).
 
     The columns the spec and `overrides` name are assumed present (the pipeline checks them).
     """
@@ -239,7 +240,7 @@ def iter_rows(source: InputSource, spec: Any, limit: int | None = None, override
         if limit is not None:
             records = records[: limit - index]
         if records:
-            yield [_make_row(index + offset, record, spec, overrides, source.json_columns, columns)
+            yield [_make_row(index + offset, record, spec, overrides, source.json_columns, columns, has_chat_template)
                    for offset, record in enumerate(records)]
         index += len(records)
         if index == limit:  # the next batch is not read
@@ -247,7 +248,7 @@ def iter_rows(source: InputSource, spec: Any, limit: int | None = None, override
 
 
 def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], json_columns: set[str],
-              used_columns: list[str]) -> InputRow:
+              used_columns: list[str], has_chat_template: bool) -> InputRow:
     row_id = _writable(_row_id(index, record, spec.id_column))
     carried = {name: _writable(_carried_value(record.get(name), name in json_columns)) for name in spec.carry_columns}
     if LINE_ERROR_KEY in record:
@@ -257,7 +258,7 @@ def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], js
         prompt = prompt_from_cell(record.get(spec.prompt_column), spec.prompt_column)
         if isinstance(prompt, str) and spec.prompt_template:
             prompt = apply_template(spec.prompt_template, prompt, record)
-        prompt = shape_prompt(prompt, spec)
+        prompt = shape_prompt(prompt, spec, has_chat_template)
         row_overrides = read_overrides(record, overrides)
         continuations = _continuations(record, spec)
     except BadRowError as error:

@@ -76,6 +76,16 @@ def output_format_of(path: str | Path) -> str | None:
     return None
 
 
+def _first_missing_folder(folder: Path) -> Path | None:
+    """The outermost of `folder` and its parents that does not exist (what creating it creates), or None."""
+    missing = None
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            return missing
+        missing = candidate
+    return missing
+
+
 def _shard_name(number: int) -> str:
     return f"shard-{number:06d}.parquet"
 
@@ -118,6 +128,7 @@ class ShardWriter:
         self._final_temp_prefix = f".{self.output_path.name}.tmp-"
         self._check_kind()
         is_new_dir = not self.shard_dir.exists()
+        self._created_root = _first_missing_folder(self.shard_dir)
         try:
             self.shard_dir.mkdir(parents=True, exist_ok=True)
             self._lock = OutputLock(self.shard_dir, self.output_path)
@@ -132,7 +143,6 @@ class ShardWriter:
             raise
         self._buffer: list[dict] = []
         self._buffered_indices: set[int] = set()
-        self._is_new_dir = is_new_dir
         self._is_finished = False
 
     def _check_kind(self) -> None:
@@ -160,10 +170,10 @@ class ShardWriter:
         """Release the output's lock (buffered rows that were not flushed are dropped). An output
         this writer created and never committed to, nor finished, is removed: a job refused or
         stopped before its first commit leaves nothing behind."""
-        is_untouched = self._is_new_dir and not self._shards and not self._is_finished
+        is_untouched = self._created_root is not None and not self._shards and not self._is_finished
         self._lock.release(remove_if_new=is_untouched)
         if is_untouched:
-            shutil.rmtree(self.shard_dir, ignore_errors=True)
+            shutil.rmtree(self._created_root, ignore_errors=True)
 
     # ---- opening an existing output ----------------------------------------------------------
     def _remove_outputs(self) -> None:

@@ -9,7 +9,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from tqdm.auto import tqdm
 
 from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
 from batchgen.io.row_set import RowSet
-from batchgen.job.config import InputConfig, JobConfig
+from batchgen.job.config import JobConfig
 
 
 def open_input(config: JobConfig) -> InputSource:
@@ -42,28 +41,20 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def input_spec_for(config: JobConfig, tokenizer: Any) -> InputConfig:
-    """How rows become prompts for this model: the job's input spec, except that plain text is
-    used as it is on a model whose tokenizer has no chat template (`apply_chat_template` then
-    has no effect, and a row of chat messages is a bad row)."""
-    if config.input.apply_chat_template and not has_chat_template(tokenizer):
-        return dataclasses.replace(config.input, apply_chat_template=False)
-    return config.input
-
-
 def chat_template_note(config: JobConfig, tokenizer: Any) -> str | None:
     """What a plan or a validation says when the job asks for a chat template the model has not."""
     if config.input.apply_chat_template and not has_chat_template(tokenizer):
         return ("the model's tokenizer has no chat template: plain-text prompts are used as they are "
-                "(input.apply_chat_template has no effect), and rows of chat messages fail")
+                "(input.apply_chat_template has no effect on them), and rows of chat messages fail")
     return None
 
 
-def row_batches(config: JobConfig, spec: InputConfig, source: InputSource, limit: int | None,
+def row_batches(config: JobConfig, tokenizer: Any, source: InputSource, limit: int | None,
                 skipped: RowSet | None, use_tqdm: bool) -> Iterator[list[InputRow]]:
-    """The job's rows in input order, in batches, read with `spec`, without those in `skipped`;
-    a bar counts them."""
-    rows = iter_rows(source, spec, limit, config.sampling.overrides)
+    """The job's rows in input order, in batches, shaped for the model's tokenizer (plain text
+    stays text on a model without a chat template), without those in `skipped`; a bar counts them."""
+    rows = iter_rows(source, config.input, limit, config.sampling.overrides,
+                     has_chat_template=has_chat_template(tokenizer))
     with tqdm(total=num_job_rows(source, limit), desc="plan", disable=not use_tqdm, unit="row") as bar:
         for batch in rows:
             bar.update(len(batch))

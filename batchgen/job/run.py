@@ -36,7 +36,7 @@ from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter
 from batchgen.job.config import JobConfig
 from batchgen.job.generate import GenerateTask
-from batchgen.job.inputs import chat_template_note, input_spec_for, num_job_rows, open_input, row_batches
+from batchgen.job.inputs import chat_template_note, num_job_rows, open_input, row_batches
 from batchgen.job.local import LocalExecutor
 from batchgen.job.output import open_writer, summary_path, write_rows
 from batchgen.job.plan_pass import JobPlan, plan_job_rows
@@ -132,7 +132,7 @@ def plan_job(config: JobConfig, limit: int | None = None, use_tqdm: bool = False
     check_engine(config)
     tokenizer, limits = tokenizer_and_limits(config)
     errors = FirstErrors()
-    batches = row_batches(config, input_spec_for(config, tokenizer), source, limit, None, use_tqdm)
+    batches = row_batches(config, tokenizer, source, limit, None, use_tqdm)
     with RowStore(tempfile.gettempdir()) as store:
         plan = plan_job_rows(task, batches, tokenizer, limits, store, errors.add)
         report = plan_report(config, plan, tokenizer, num_job_rows(source, limit), errors, max_order_ids)
@@ -191,9 +191,8 @@ def _run(config: JobConfig, task: Any, executor: Any, source, limit: int | None,
         tokenizer, limits = executor.load()
         planned = time.time()
         summary.load_s = planned - started
-        batches = row_batches(config, input_spec_for(config, tokenizer), source, limit, writer.committed_rows(),
-                              use_tqdm)
-        with RowStore(writer.shard_dir) as store:
+        batches = row_batches(config, tokenizer, source, limit, writer.committed_rows(), use_tqdm)
+        with open_row_store(config, writer.shard_dir) as store:
             plan = plan_job_rows(task, batches, tokenizer, limits, store, _failed_row_writer(task, writer, counts))
             executing = time.time()
             summary.plan_s = executing - planned
@@ -204,6 +203,14 @@ def _run(config: JobConfig, task: Any, executor: Any, source, limit: int | None,
         raise
     finally:
         summary.num_rows_ok, summary.num_rows_failed = counts["ok"], counts["failed"]
+
+
+def open_row_store(config: JobConfig, directory) -> RowStore:
+    """The plan's row store, an unnamed temporary file in the output's shard folder."""
+    try:
+        return RowStore(directory)
+    except OSError as error:
+        raise config.error("output.path", f"cannot write in {str(directory)!r}: {error}") from None
 
 
 def _failed_row_writer(task: Any, writer: ShardWriter, counts: Counter) -> Callable[[InputRow, int], None]:

@@ -7,6 +7,7 @@ at an exact point (a signal raised inside a commit, an error from the disk), nev
 from __future__ import annotations
 
 import errno
+import shutil
 import json
 import os
 import signal
@@ -37,13 +38,17 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
+def refuse_model_loads(monkeypatch) -> None:
     """Fail the test if the job gets as far as loading a model or a tokenizer."""
     def refuse(*args, **kwargs):
         raise AssertionError("the model or its tokenizer was loaded before the job was refused")
     for name in ("load_model", "load_tokenizer_and_config", "load_tokenizer"):
         monkeypatch.setattr(models, name, refuse)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    refuse_model_loads(monkeypatch)
 
 
 def invoke(*args):
@@ -357,3 +362,43 @@ def test_hostile_rows_in_every_format_give_one_output_row_each(tmp_path, model_d
     assert result.exit_code == len(failed) and 0 < len(failed) < num_rows
     assert all(row["error"].startswith(f"row {row['row_index']}: ") for row in failed)
     assert all(row["output_text"] for row in rows if row["finish_reason"] != "error")
+
+
+# ---- refused early, leaving no trace ------------------------------------------------------------
+def test_refusals_about_the_output_come_before_any_model_or_tokenizer_loads(tmp_path, model_dir, monkeypatch):
+    job = job_file(tmp_path, model_dir)
+    assert invoke("run", job, "--no-progress", "--limit", "4").exit_code == 0
+    refuse_model_loads(monkeypatch)
+    shards = tmp_path / "out" / "answers.parquet.shards"
+    text = job.read_text()
+    job.write_text(text.replace("max_tokens: 6", "max_tokens: 7"))
+    refused(invoke("run", job), "sampling.max_tokens was 6, is now 7")
+    job.write_text(text)
+    manifest = (shards / MANIFEST_NAME).read_text()
+    (shards / MANIFEST_NAME).write_text("{")
+    refused(invoke("run", job), "cannot read", "use --overwrite")
+    (shards / MANIFEST_NAME).write_text(manifest)
+    (tmp_path / "taken.parquet").mkdir()
+    refused(invoke("run", job, "--output", tmp_path / "taken.parquet"), "is a folder")
+    shutil.rmtree(shards)
+    refused(invoke("run", job), "exists but has no manifest")
+
+
+def test_a_plan_store_that_cannot_be_written_is_refused_naming_the_output(tmp_path, model_dir, monkeypatch):
+    job = job_file(tmp_path, model_dir)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("batchgen.io.row_store.tempfile.TemporaryFile", read_only)
+    refused(invoke("run", job), "output.path: cannot write in", "Permission denied")
+
+
+@pytest.mark.parametrize("model", ["missing.gguf", "no_config", "no-such-org/no-such-model"])
+def test_a_job_whose_model_does_not_exist_writes_nothing(tmp_path, model_dir, monkeypatch, model):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "no_config").mkdir()
+    job = job_file(tmp_path, model_dir)
+    job.write_text(job.read_text().replace(f"model: {model_dir}", f"model: {model}"))
+    refused(invoke("run", job), "model")
+    assert not (tmp_path / "out").exists()  # no output folder, no lock

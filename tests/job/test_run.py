@@ -399,3 +399,29 @@ def test_an_output_path_of_a_format_batchgen_does_not_write_is_refused(tmp_path,
                                              rf"or .jsonl file, or a folder of Parquet shards"):
         load_job(job)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_without_a_chat_template_uses_plain_text_prompts_as_they_are(tmp_path):
+    """apply_chat_template is on by default: on a base model plain text runs as it is (the plan and
+    validate say so) and only rows of chat messages fail, with the tokenizer's reason."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    folder = tmp_path / "base-model"
+    tiny_model().save_pretrained(folder)
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(folder)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": words(10, 11, 12)}, {"prompt": [{"role": "user", "content": "w9"}]}])
+    job = write_job(tmp_path, folder, {"path": "in.jsonl", "system_prompt": "w5"})
+    assert any("has no chat template: plain-text prompts are used as they are" in note
+               for note in plan_job(load_job(job)).notes)
+    validated = CliRunner().invoke(main, ["validate", str(job)])
+    assert validated.exit_code == 0 and "warning: the model's tokenizer has no chat template" in validated.output
+    run_job(load_job(job), use_tqdm=False)
+    rows = read_output(tmp_path / "out" / "answers.parquet")
+    [expected] = LLM(str(folder), **ENGINE).generate([f"w5\n\n{words(10, 11, 12)}"],
+                                                   SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert rows[0]["error"] is None and rows[0]["output_text"] == expected.outputs[0].text
+    assert rows[1]["error"] == "row 1: chat messages given but the tokenizer has no chat template"
