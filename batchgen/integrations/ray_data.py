@@ -86,16 +86,15 @@ class Generate:
         """Each row's sampling, or the message saying why its params cell cannot be used."""
         if self.params_column is None:
             return [self.params] * table.num_rows
-        return [self._parse_params(cell, position) for position, cell in
-                enumerate(table.column(self.params_column).to_pylist())]
+        return [self._parse_params(cell) for cell in table.column(self.params_column).to_pylist()]
 
-    def _parse_params(self, cell: str | None, position: int) -> SamplingParams | str:
+    def _parse_params(self, cell: str | None) -> SamplingParams | str:
         if cell is None:
             return self.params
         try:
             return SamplingParams(**{**self.params.to_dict(), **json.loads(cell)})
         except (ValueError, TypeError) as error:
-            return f"row {position}: column {self.params_column!r} is not valid sampling: {error}"
+            return f"column {self.params_column!r} is not valid sampling: {error}"
 
     def _generate(self, prompts: list, params: list[SamplingParams | str]) -> list[RequestOutput]:
         """One output per prompt, in order: generated together, or failed for a bad params cell."""

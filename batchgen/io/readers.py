@@ -52,6 +52,11 @@ class InputRow:
     """task: score: the continuations to score after the prompt (one, or the row's choices)."""
 
 
+def row_error(row_index: int, message: str) -> str:
+    """An error message that names its input row: every bad row's message starts so."""
+    return f"row {row_index}: {message}"
+
+
 def detect_format(path: str | Path) -> str:
     """parquet | jsonl | hf_disk, from the suffix or the folder's contents."""
     path = Path(path)
@@ -252,7 +257,7 @@ def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], js
     row_id = _writable(_row_id(index, record, spec.id_column))
     carried = {name: _writable(_carried_value(record.get(name), name in json_columns)) for name in spec.carry_columns}
     if LINE_ERROR_KEY in record:
-        return InputRow(index, row_id, None, f"row {index}: {record[LINE_ERROR_KEY]}", carried, {})
+        return InputRow(index, row_id, None, row_error(index, record[LINE_ERROR_KEY]), carried, {})
     try:
         _check_unicode(record, used_columns)
         prompt = prompt_from_cell(record.get(spec.prompt_column), spec.prompt_column)
@@ -262,7 +267,7 @@ def _make_row(index: int, record: dict, spec: Any, overrides: dict[str, str], js
         row_overrides = read_overrides(record, overrides)
         continuations = _continuations(record, spec)
     except BadRowError as error:
-        return InputRow(index, row_id, None, f"row {index}: {error}", carried, {})
+        return InputRow(index, row_id, None, row_error(index, str(error)), carried, {})
     return InputRow(index, row_id, prompt, None, carried, row_overrides, continuations)
 
 

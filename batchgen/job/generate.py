@@ -17,18 +17,13 @@ import pyarrow as pa
 import xxhash
 
 from batchgen.io.output_table import output_rows, output_schema, sampling_layout
-from batchgen.io.readers import InputRow
+from batchgen.io.readers import InputRow, row_error
 from batchgen.job.config import JobConfig
 from batchgen.job.plan_pass import PlannedRow
 from batchgen.outputs import RequestOutput
 from batchgen.plan.requests import PlanLimits, plan_requests
 from batchgen.prompts import encode_batch
 from batchgen.sampling_params import MAX_SEED, SamplingParams
-
-
-def row_error(row_index: int, message: str) -> str:
-    """An error message that names its input row."""
-    return f"row {row_index}: {message}"
 
 
 def row_seed(job_seed: int, row_id: str) -> int:

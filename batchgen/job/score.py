@@ -19,9 +19,8 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.io.output_table import ScoredRow, score_rows, score_schema
-from batchgen.io.readers import InputRow
+from batchgen.io.readers import InputRow, row_error
 from batchgen.job.config import JobConfig
-from batchgen.job.generate import row_error
 from batchgen.job.plan_pass import PlannedRow
 from batchgen.llm import score_of
 from batchgen.outputs import RequestOutput, ScoreOutput
