@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from tests.conftest import tiny_model
 
 SPECIAL_TOKENS = ["<bos>", "<eos>"]  # ids 0 and 1: the tiny model's BOS and EOS
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -20,7 +21,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>")
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
 
 
 def save_byte_model(folder: Path) -> Path:

@@ -242,8 +242,8 @@ OutputLayout = tuple[bool, pa.DataType | None]  # (with_sample_index, json_type)
 def sampling_layout(params: SamplingParams, per_row: Collection[str]) -> OutputLayout:
     """The output layout of requests sampled with `params`, with the fields in `per_row` read
     from each row: sample_index when n > 1 or n varies per row; output_json when constrained
-    to a JSON schema, as a struct when every row shares one schema it can describe, else as
-    JSON text."""
+    to a JSON schema, typed (`arrow_type_of_schema`) when every row shares one schema that
+    settles a type, else as JSON text."""
     with_sample_index = params.n > 1 or "n" in per_row
     if "json_schema" in per_row:
         return with_sample_index, pa.string()
