@@ -28,7 +28,8 @@ class SamplingParams:
     ``seed + i``, so each sample is reproducible on its own. ``min_tokens``
     masks EOS and ``stop_token_ids`` until that many tokens are generated.
     ``repetition_penalty`` follows Hugging Face semantics over prompt and
-    output tokens.
+    output tokens; ``presence_penalty`` and ``frequency_penalty`` OpenAI's over output
+    tokens. ``max_completion_tokens`` is OpenAI's name of ``max_tokens`` (either may be given).
 
     At most one constraint shapes the generated tokens (never the prompt): ``json_schema``
     (a JSON schema as a dict or a JSON string), ``regex``, ``choice`` (the output is exactly
@@ -58,11 +59,24 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """Hugging Face's penalty on tokens of the prompt and output (a positive logit is divided by it, any
     other multiplied); 1 is off."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the output holds already; in [-2, 2], 0 is off."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once for every time the output holds it; in [-2, 2], 0 is off."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a bias in [-100, 100] added to its logit before sampling (keys may be JSON's strings)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be generated; null: any."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated: a word's last token is barred where the output ends with the tokens
+    before it (each word as it is and after a space)."""
     seed: int | None = None
     """Seeds the sample's draws: sample `i` uses `seed + i`, and the same seed gives the same tokens
     whatever else is in the batch; null draws from the engine's generator."""
     stop: list[str] = field(default_factory=list)
-    """Strings that end a sample; the text is cut before them."""
+    """Strings that end a sample; the text is cut before them unless `include_stop_str_in_output`."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended a sample at the end of its text."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample, besides the model's EOS."""
     ignore_eos: bool = False
@@ -82,9 +96,15 @@ class SamplingParams:
     """Return each generated token's log-probability and the top `logprobs` alternatives; null: none."""
     prompt_logprobs: int | None = None
     """The same for every prompt token but the first; the request then recomputes its own prompt."""
+    max_completion_tokens: int | None = None
+    """OpenAI's name of `max_tokens`: when given, `max_tokens` is set to it (and this field back to null)."""
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, ">= 1", lambda v: v >= 1)
+        if self.max_completion_tokens is not None:
+            self.max_completion_tokens = _check_int("max_completion_tokens", self.max_completion_tokens, ">= 1",
+                                                    lambda v: v >= 1)
+            self.max_tokens, self.max_completion_tokens = self.max_completion_tokens, None  # an alias, consumed
         self.max_tokens = _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
         self.min_tokens = _check_int(
             "min_tokens", self.min_tokens, f"in [0, max_tokens={self.max_tokens}]", lambda v: 0 <= v <= self.max_tokens
@@ -95,11 +115,20 @@ class SamplingParams:
         self.top_p = _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         self.min_p = _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _check_float(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must hold at least one token id, or be None")
+        self.bad_words = _check_words("bad_words", self.bad_words)
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed, f"in [0, {MAX_SEED}] or None", lambda v: 0 <= v <= MAX_SEED)
         self.stop = _check_stop(self.stop)
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
         _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         self.json_schema = _check_json_schema(self.json_schema)
         for name in ("regex", "grammar"):
@@ -120,6 +149,12 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 return name, getattr(self, name)
         return None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling changes the logits before it picks (bias, token limits, penalties)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                    or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -173,9 +208,35 @@ def _check_stop(stop: Any) -> list[str]:
 
 def _check_stop_token_ids(stop_token_ids: Any) -> list[int]:
     """Normalise ``stop_token_ids`` to a list of ints >= 0."""
-    if not isinstance(stop_token_ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of int >= 0, got {_describe(stop_token_ids)}")
-    return [_check_int("stop_token_ids item", t, ">= 0", lambda v: v >= 0) for t in stop_token_ids]
+    return _check_token_ids("stop_token_ids", stop_token_ids)
+
+
+def _check_token_ids(name: str, token_ids: Any) -> list[int]:
+    """A list of ints >= 0."""
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of int >= 0, got {_describe(token_ids)}")
+    return [_check_int(f"{name} item", t, ">= 0", lambda v: v >= 0) for t in token_ids]
+
+
+def _check_words(name: str, words: Any) -> list[str]:
+    """A list of non-empty strings."""
+    if not isinstance(words, (list, tuple)) or not all(isinstance(word, str) and word for word in words):
+        raise ValueError(f"{name} must be a list of non-empty str, got {_describe(words)}")
+    return list(words)
+
+
+def _check_logit_bias(bias: Any) -> dict[int, float] | None:
+    """Token id -> bias in [-100, 100]; keys may be JSON's digit strings."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id -> bias, got {_describe(bias)}")
+    checked = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        token = _check_int("logit_bias key", token, ">= 0 (a token id)", lambda v: v >= 0)
+        checked[token] = _check_float(f"logit_bias[{token}]", value, "in [-100, 100]", lambda v: -100 <= v <= 100)
+    return checked
 
 
 def _check_json_schema(schema: Any) -> dict | None:

@@ -63,6 +63,7 @@ class LLMEngine:
                                         lambda matcher, text: self.constraints.is_complete(matcher, text))
         self._constraints: Constraints | None = None
         self._requests: dict[int, _Request] = {}
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         self._finished: list[RequestOutput] = []
         self.stats = EngineStats()
         self._update_pool_stats()
@@ -171,7 +172,8 @@ class LLMEngine:
                 if id(seq) in mask_index:
                     masked_rows.append(len(seqs))
                     mask_rows.append(mask_index[id(seq)])
-                rows.append(SamplingRow(member.params, member.token_ids, member.num_output_tokens, member.generator))
+                rows.append(SamplingRow(member.params, member.token_ids, member.num_output_tokens, member.generator,
+                                        self._banned_tokens(member)))
                 seqs.append(member)
                 logit_rows.append(row)
         if len(logit_rows) != logits.shape[0]:  # n > 1 forks: repeat their rows (a copy of the logits)
@@ -185,6 +187,23 @@ class LLMEngine:
                 seqs[i].output_logprobs.append(_top(entry, seqs[i].params.logprobs))
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token, now)
+
+    def _banned_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens that would complete one of `seq`'s bad words now: each word's last token where
+        the output ends with the tokens before it."""
+        if not seq.params.bad_words:
+            return []
+        output = seq.output_token_ids
+        return [ids[-1] for ids in self._bad_word_ids(tuple(seq.params.bad_words))
+                if len(ids) - 1 <= len(output) and output[len(output) - len(ids) + 1:] == ids[:-1]]
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """Each bad word's token ids, as it is and after a space (encoded once per set of words)."""
+        if words not in self._bad_words:
+            sequences = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                         for word in words for text in (word, f" {word}")}
+            self._bad_words[words] = [list(ids) for ids in sequences if ids]
+        return self._bad_words[words]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (see `BlockManager.reset_prefix_cache`)."""

@@ -7,9 +7,12 @@ logits tensor. The steps, in order:
    row is masked only when its unmasked argmax is disallowed (the same token either way).
 1. min_tokens: rows with fewer than ``min_tokens`` output tokens get ``-inf``
    on every EOS id and every ``stop_token_ids`` entry.
-2. repetition penalty (Hugging Face semantics) over the row's prompt and
-   output tokens: a positive logit is divided by the penalty, any other is
-   multiplied by it.
+2. token limits and biases: every token outside ``allowed_token_ids`` and every token a bad word
+   would end here (``banned_token_ids``, from the engine) get ``-inf``; ``logit_bias`` is added.
+   Then the repetition penalty (Hugging Face semantics) over the row's prompt and output tokens:
+   a positive logit is divided by the penalty, any other is multiplied by it; then OpenAI's
+   penalties over the output tokens: ``frequency_penalty`` times a token's count plus
+   ``presence_penalty`` once if it occurs, subtracted.
 3. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax (``argmax_rows``: torch's
    ``argmax``, through a one-pass C scan on CPU).
 4. other rows: divide by temperature, keep the ``top_k`` best tokens, keep
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,13 +64,19 @@ class SamplingRow:
     """What the sampler needs to know about one row of logits.
 
     ``token_ids`` holds the prompt and the output so far (all ids < vocab);
-    ``generator`` is set exactly when ``params.seed`` is set.
+    ``generator`` is set exactly when ``params.seed`` is set; ``banned_token_ids`` are the tokens
+    that would complete one of the params' bad words now.
     """
 
     params: SamplingParams
     token_ids: list[int]
     num_output_tokens: int
     generator: random.Random | None
+    banned_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_output_tokens:]
 
 
 def make_generator(seed: int, sample_index: int) -> random.Random:
@@ -115,7 +124,7 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: 
     if sampled_masks.rows:
         logits = apply_masks(logits, torch.tensor(sampled_masks.rows, device=logits.device), sampled_masks.bitmask)
     logits = _mask_below_min_tokens(logits, rows, eos_token_ids)
-    logits = _apply_repetition_penalty(logits, rows)
+    logits = _adjust_logits(logits, rows)
     sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if len(sampled_rows) == len(rows):
         return _sample_non_greedy(logits, rows).tolist()
@@ -132,7 +141,7 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: 
 def _is_argmax_only(rows: list[SamplingRow], masks: TokenMasks | None) -> bool:
     """Whether every row's token is its argmax of the unchanged logits: greedy, no mask, no
     penalty, past min_tokens."""
-    return ((masks is None or not masks.rows) and not _penalised_rows(rows)
+    return ((masks is None or not masks.rows) and not any(row.params.adjusts_logits for row in rows)
             and all(row.params.is_greedy and row.num_output_tokens >= row.params.min_tokens for row in rows))
 
 
@@ -176,6 +185,37 @@ def _mask_below_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_to
         return logits
     index = (torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device))
     return logits.index_put(index, torch.tensor(-math.inf, device=logits.device))
+
+
+def _adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Token limits, biases and penalties of the rows whose params ask for them (step 2 of the module
+    docstring); the other rows are untouched."""
+    adjusted = [i for i, row in enumerate(rows) if row.params.adjusts_logits]
+    if not adjusted:
+        return logits
+    logits = _apply_repetition_penalty(logits, rows)
+    logits = logits.clone()  # rows are replaced below: the caller's tensor stays as it was
+    for i in adjusted:
+        logits[i] = _adjusted_row(logits[i], rows[i])
+    return logits
+
+
+def _adjusted_row(row_logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    params, device = row.params, row_logits.device
+    barred = torch.zeros(row_logits.shape[0], dtype=torch.bool, device=device)
+    if params.allowed_token_ids is not None:
+        barred.fill_(True)
+        barred[[t for t in params.allowed_token_ids if t < row_logits.shape[0]]] = False
+    if row.banned_token_ids:
+        barred[row.banned_token_ids] = True
+    row_logits = row_logits.masked_fill(barred, -math.inf)
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < row_logits.shape[0]]
+        row_logits[ids] += torch.tensor([params.logit_bias[t] for t in ids], device=device)
+    if (params.presence_penalty or params.frequency_penalty) and row.num_output_tokens:
+        counts = torch.bincount(torch.tensor(row.output_token_ids, device=device), minlength=row_logits.shape[0])
+        row_logits = row_logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return row_logits
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 A sample stops with STOP on an end-of-sequence token (unless `ignore_eos`), on one of its
 `stop_token_ids`, or when its text contains one of its `stop` strings (the text is then cut
-before the stop string); none of these count before `min_tokens` output tokens. It stops
+before the stop string, or after it with `include_stop_str_in_output`); none of these count before `min_tokens` output tokens. It stops
 with STOP as soon as its constraint (JSON schema, regex, choice, grammar) is complete. It stops
 with LENGTH at `max_tokens` output tokens or at the engine's context limit.
 
@@ -65,12 +65,15 @@ class StopChecker:
         if not any(stop in tail for stop in params.stop):
             return False
         text = self._decode(seq.output_token_ids, params)
-        starts = sorted({start for stop in params.stop for start in _new_occurrences(text, stop, seq)})
+        stops_at: dict[int, str] = {}  # where a stop string starts -> the first of the params' stops there
+        for stop in params.stop:
+            for start in _new_occurrences(text, stop, seq):
+                stops_at.setdefault(start, stop)
         seq.num_stop_checked_chars = len(text.rstrip("\ufffd"))  # a trailing partial character may still change
-        end = next((start for start in starts if self._may_end_at(seq, text[:start])), None)
+        end = next((start for start in sorted(stops_at) if self._may_end_at(seq, text[:start])), None)
         if end is None:
             return False
-        seq.stop_text_end = end
+        seq.stop_text_end = end + len(stops_at[end]) if params.include_stop_str_in_output else end
         return True
 
     def _may_end_at(self, seq: Sequence, text: str) -> bool:

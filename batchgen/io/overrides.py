@@ -10,6 +10,7 @@ own check.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable
 
 from batchgen.prompts import BadRowError
@@ -59,6 +60,20 @@ def _as_schema(value: Any) -> dict | str:
     return value
 
 
+def _as_bias(value: Any) -> dict:
+    """A mapping of token id -> bias: a dict, its JSON text, or (key, value) pairs (an Arrow map)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise TypeError from None
+    if isinstance(value, list) and all(isinstance(item, (list, tuple)) and len(item) == 2 for item in value):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise TypeError
+    return value
+
+
 def _as_int_list(value: Any) -> list[int]:
     if not isinstance(value, list):
         raise TypeError
@@ -72,6 +87,8 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], str]] = {  # a field's type annota
     "bool": (_as_bool, "a boolean"),
     "list[str]": (_as_str_list, "a string or a list of strings"),
     "list[int]": (_as_int_list, "a list of integers"),
+    "list[int] | None": (_as_int_list, "a list of integers"),
+    "dict[int, float] | None": (_as_bias, "a mapping of token id -> bias (an object, or its JSON text)"),
     "str | None": (_as_str, "a string"),
     "list[str] | None": (_as_str_list, "a string or a list of strings"),
     "dict | str | None": (_as_schema, "a JSON schema (an object, or its JSON text)"),
