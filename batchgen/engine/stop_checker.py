@@ -7,9 +7,10 @@ with STOP as soon as its constraint (JSON schema, regex, choice, grammar) is com
 with LENGTH at `max_tokens` output tokens or at the engine's context limit.
 
 Under a constraint the output ends only where it is complete, so a STOP output is always a
-whole match: a stop string ends it only where the text before the stop string is a complete
-value (the earliest such place); an occurrence inside an unfinished value is part of the
-output and generation goes on. Likewise a stop token ends it only where the constraint is
+whole match (followed by the stop string with `include_stop_str_in_output`: for a JSON schema
+the exact check then makes the sample an error): a stop string ends it only where the text
+before the stop string is a complete value (the earliest such place); an occurrence inside an
+unfinished value is part of the output and generation goes on. Likewise a stop token ends it only where the constraint is
 complete with that token. (A JSON value's grammar ends at its closing bracket, so a stop
 string almost never ends JSON output: the schema does.)
 
