@@ -41,15 +41,18 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class Logprob:
-    """A token's log-probability under the model (raw logits, before any sampling transform) and
-    its rank in that distribution (1: the most likely token)."""
+    """A token's log-probability under the model (raw logits, before any sampling transform), its
+    rank in that distribution (1: the most likely token), and its text (vLLM's `decoded_token`:
+    set for the logprobs a request asked for; None for a scoring request's)."""
 
     logprob: float
     rank: int
+    decoded_token: str | None = None
 
 
 TokenLogprobs = dict[int, Logprob]
-"""One position: the actual token's entry first, then the top-k alternatives (token id -> Logprob)."""
+"""One position: the actual token's entry first, then the top-k alternatives (token id -> Logprob;
+the actual token is among the top k when its rank is at most k)."""
 
 
 @dataclass

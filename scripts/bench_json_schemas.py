@@ -95,7 +95,7 @@ def batchgen_refusal(params: SamplingParams, constraints: Constraints) -> str | 
 
 
 def output_type(params: SamplingParams) -> str:
-    json_type = sampling_layout(params, set())[1]
+    json_type = sampling_layout(params, set()).json_type
     return "JSON text" if str(json_type) == "string" else str(json_type).split("<")[0]
 
 

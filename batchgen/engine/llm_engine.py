@@ -64,6 +64,7 @@ class LLMEngine:
         self._constraints: Constraints | None = None
         self._requests: dict[int, _Request] = {}
         self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
+        self._token_texts: dict[int, str] = {}
         self._finished: list[RequestOutput] = []
         self.stats = EngineStats()
         self._update_pool_stats()
@@ -155,8 +156,10 @@ class LLMEngine:
         for seq, positions, is_sampling in layout:
             if positions:
                 targets = [seq.scored_tokens[position + 1] for position in positions]
+                wanted = seq.params.prompt_logprobs is not None  # a scoring request's need no text
                 seq.prompt_logprobs += token_logprobs(logits[row : row + len(positions)], targets,
-                                                      seq.params.prompt_logprobs or 0)
+                                                      seq.params.prompt_logprobs or 0,
+                                                      self._token_text if wanted else None)
                 row += len(positions)
             if is_sampling:
                 sampling_rows.append(row)
@@ -183,10 +186,18 @@ class LLMEngine:
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if wanted:
             for i, entry in zip(wanted, token_logprobs(logits[wanted], [tokens[i] for i in wanted],
-                                                       max(seqs[i].params.logprobs for i in wanted))):
+                                                       max(seqs[i].params.logprobs for i in wanted),
+                                                       self._token_text)):
                 seqs[i].output_logprobs.append(_top(entry, seqs[i].params.logprobs))
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token, now)
+
+    def _token_text(self, token: int) -> str:
+        """A token's text, as logprobs report it (decoded once per token id)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _banned_tokens(self, seq: Sequence) -> list[int]:
         """The tokens that would complete one of `seq`'s bad words now: each word's last token where

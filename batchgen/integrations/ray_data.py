@@ -39,7 +39,8 @@ import pyarrow as pa
 
 from batchgen import models
 from batchgen.engine.block_hash import hash_blocks
-from batchgen.io.output_table import WORKER, OutputLayout, sample_fields, sample_values, sampling_layout
+from batchgen.io.output_table import (PER_ROW_LAYOUT_FIELDS, WORKER, OutputLayout, sample_fields, sample_values,
+                                      sampling_layout)
 from batchgen.llm import LLM
 from batchgen.outputs import RequestOutput
 from batchgen.prompts import encode_batch, encode_prompt
@@ -54,8 +55,8 @@ class Generate:
     ``model`` and ``engine`` are `LLM`'s arguments, ``sampling`` the `SamplingParams` fields of
     every row. ``params_column`` (optional) holds per row a JSON object of `SamplingParams`
     fields that replace the row's sampling (null: none). ``layout`` fixes the sample and result
-    columns (default: from ``sampling``, and as if n and json_schema varied per row when there is
-    a ``params_column``).
+    columns (default: from ``sampling``, and as if every `PER_ROW_LAYOUT_FIELDS` field varied per row
+    when there is a ``params_column``).
     """
 
     def __init__(self, model: str | None = None, sampling: dict[str, Any] | None = None,
@@ -67,7 +68,7 @@ class Generate:
         self.prompt_column = prompt_column
         self.params_column = params_column
         self.drop_columns = list(drop_columns)
-        per_row = {"n", "json_schema"} if params_column else set()
+        per_row = set(PER_ROW_LAYOUT_FIELDS) if params_column else set()
         self.layout = layout if layout is not None else sampling_layout(self.params, per_row)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -75,9 +76,9 @@ class Generate:
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_pydict({k: list(v) for k, v in batch.items()})
         outputs = self._generate(table.column(self.prompt_column).to_pylist(), self._row_params(table))
         samples = [(position, values) for position, output in enumerate(outputs)
-                   for values in sample_values(output, *self.layout)]
+                   for values in sample_values(output, self.layout)]
         kept = table.drop_columns(self.drop_columns).take(pa.array([position for position, _ in samples], pa.int64()))
-        results = pa.Table.from_pylist([values for _, values in samples], schema=pa.schema(sample_fields(*self.layout)))
+        results = pa.Table.from_pylist([values for _, values in samples], schema=pa.schema(sample_fields(self.layout)))
         for field, column in zip(results.schema, results.columns):
             kept = kept.append_column(field, column)
         return kept.append_column(pa.field(WORKER, pa.string()), pa.array([self.worker] * len(samples), pa.string()))

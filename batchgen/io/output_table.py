@@ -26,7 +26,8 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.io.readers import InputRow
-from batchgen.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, ScoreOutput
+from batchgen.outputs import (CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput, ScoreOutput,
+                              TokenLogprobs)
 from batchgen.sampling_params import SamplingParams
 
 ROW_INDEX = "row_index"  # the input row number: the writer's commit key and the final file's sort key
@@ -89,6 +90,37 @@ RESULT_COLUMNS = (
 WORKER = "worker"  # the Ray worker that served the row (outputs of executor: ray; null for a row that never ran)
 OUTPUT_JSON = "output_json"  # after output_text, only for JSON constraints (see `json_column`)
 OUTPUT_COLUMNS: tuple[str, ...] = tuple(c.name for c in (*KEY_COLUMNS, SAMPLE_INDEX_COLUMN, *RESULT_COLUMNS))
+
+TOKEN_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float64()),
+                           ("rank", pa.int32())])
+POSITION_LOGPROBS = pa.struct([*TOKEN_LOGPROB, ("top", pa.list_(TOKEN_LOGPROB))])
+"""One position: its token (id, text, log-probability, rank) and the other most likely tokens, by
+rank; with k asked for, the first k by rank of the token and these are the top k."""
+LOGPROBS = "logprobs"
+PROMPT_LOGPROBS = "prompt_logprobs"
+
+
+def position_logprobs(entry: TokenLogprobs | None) -> dict | None:
+    """A `TokenLogprobs` entry as a `POSITION_LOGPROBS` value (None stays None: an unscored position)."""
+    if entry is None:
+        return None
+    (token, chosen), *others = entry.items()
+    others.sort(key=lambda item: item[1].rank)
+    return {**_token_logprob(token, chosen), "top": [_token_logprob(other, logprob) for other, logprob in others]}
+
+
+def _token_logprob(token: int, logprob: Logprob) -> dict:
+    return {"token_id": token, "token": logprob.decoded_token, "logprob": logprob.logprob, "rank": logprob.rank}
+
+
+LOGPROBS_COLUMN = OutputColumn(
+    LOGPROBS, pa.list_(POSITION_LOGPROBS), True,
+    lambda sample: None if sample.completion.logprobs is None
+    else [position_logprobs(entry) for entry in sample.completion.logprobs])
+PROMPT_LOGPROBS_COLUMN = OutputColumn(
+    PROMPT_LOGPROBS, pa.list_(POSITION_LOGPROBS), True,
+    lambda sample: None if sample.output.prompt_logprobs is None
+    else [position_logprobs(entry) for entry in sample.output.prompt_logprobs])
 """Every column batchgen itself always writes (sample_index only when n > 1); carried columns come on top."""
 
 
@@ -236,34 +268,42 @@ def _common_type(kinds: list[pa.DataType | None]) -> pa.DataType | None:
     return distinct.pop()
 
 
-OutputLayout = tuple[bool, pa.DataType | None]  # (with_sample_index, json_type): the columns a sample adds
+PER_ROW_LAYOUT_FIELDS = ("n", "json_schema", "logprobs", "prompt_logprobs")
+"""The sampling fields that change the output's columns when rows set them."""
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """The columns a sample adds after the key and carried columns, besides the result columns:
+    `sample_index`, `output_json` (of `json_type`), `logprobs` and `prompt_logprobs`."""
+
+    with_sample_index: bool = False
+    json_type: pa.DataType | None = None
+    with_logprobs: bool = False
+    with_prompt_logprobs: bool = False
 
 
 def sampling_layout(params: SamplingParams, per_row: Collection[str]) -> OutputLayout:
     """The output layout of requests sampled with `params`, with the fields in `per_row` read
     from each row: sample_index when n > 1 or n varies per row; output_json when constrained
     to a JSON schema, typed (`arrow_type_of_schema`) when every row shares one schema that
-    settles a type, else as JSON text."""
-    with_sample_index = params.n > 1 or "n" in per_row
+    settles a type, else as JSON text; the logprob columns when logprobs are asked for (by
+    the job or per row)."""
     if "json_schema" in per_row:
-        return with_sample_index, pa.string()
-    if params.json_schema is None:
-        return with_sample_index, None
-    return with_sample_index, arrow_type_of_schema(params.json_schema) or pa.string()
+        json_type = pa.string()
+    elif params.json_schema is not None:
+        json_type = arrow_type_of_schema(params.json_schema) or pa.string()
+    else:
+        json_type = None
+    return OutputLayout(with_sample_index=params.n > 1 or "n" in per_row, json_type=json_type,
+                        with_logprobs=params.logprobs is not None or "logprobs" in per_row,
+                        with_prompt_logprobs=params.prompt_logprobs is not None or "prompt_logprobs" in per_row)
 
 
-def _result_columns(json_type: pa.DataType | None) -> tuple[OutputColumn, ...]:
-    if json_type is None:
-        return RESULT_COLUMNS
-    return (RESULT_COLUMNS[0], json_column(json_type), *RESULT_COLUMNS[1:])
-
-
-def output_schema(carried_schema: list[pa.Field], with_sample_index: bool,
-                  json_type: pa.DataType | None = None) -> pa.Schema:
-    """The output schema (with output_json of `json_type` when set); raises ValueError when a
-    carried column has an output column's name."""
-    _refuse_clashes(carried_schema, {*OUTPUT_COLUMNS, OUTPUT_JSON, WORKER})
-    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields(with_sample_index, json_type)])
+def output_schema(carried_schema: list[pa.Field], layout: OutputLayout = OutputLayout()) -> pa.Schema:
+    """The output schema; raises ValueError when a carried column has an output column's name."""
+    _refuse_clashes(carried_schema, {*OUTPUT_COLUMNS, OUTPUT_JSON, WORKER, LOGPROBS, PROMPT_LOGPROBS})
+    return pa.schema([*(c.field for c in KEY_COLUMNS), *carried_schema, *sample_fields(layout)])
 
 
 def with_worker(schema: pa.Schema) -> pa.Schema:
@@ -280,11 +320,10 @@ def _refuse_clashes(carried_schema: list[pa.Field], reserved: set[str]) -> None:
         )
 
 
-def output_rows(row: InputRow, output: RequestOutput, with_sample_index: bool,
-                json_type: pa.DataType | None = None) -> list[dict]:
-    """One output row per sample, with the columns of `output_schema(..., with_sample_index, json_type)`."""
+def output_rows(row: InputRow, output: RequestOutput, layout: OutputLayout = OutputLayout()) -> list[dict]:
+    """One output row per sample, with the columns of `output_schema(..., layout)`."""
     keys = _key_values(row)
-    return [{**keys, **values} for values in sample_values(output, with_sample_index, json_type)]
+    return [{**keys, **values} for values in sample_values(output, layout)]
 
 
 def _key_values(row: InputRow) -> dict:
@@ -292,20 +331,24 @@ def _key_values(row: InputRow) -> dict:
     return {**{column.name: column.read(row) for column in KEY_COLUMNS}, **row.carried}
 
 
-def sample_fields(with_sample_index: bool, json_type: pa.DataType | None = None) -> list[pa.Field]:
+def sample_fields(layout: OutputLayout) -> list[pa.Field]:
     """The fields of `sample_values`: what an output row holds after its key and carried columns."""
-    return [column.field for column in _sample_columns(with_sample_index, json_type)]
+    return [column.field for column in _sample_columns(layout)]
 
 
-def sample_values(output: RequestOutput, with_sample_index: bool, json_type: pa.DataType | None = None) -> list[dict]:
+def sample_values(output: RequestOutput, layout: OutputLayout) -> list[dict]:
     """Per sample of `output`: its sample_index (when asked) and its result columns."""
-    columns = _sample_columns(with_sample_index, json_type)
+    columns = _sample_columns(layout)
     samples = [Sample(output, completion) for completion in output.outputs]  # one each: its timing is computed once
     return [{column.name: column.read(sample) for column in columns} for sample in samples]
 
 
-def _sample_columns(with_sample_index: bool, json_type: pa.DataType | None) -> tuple[OutputColumn, ...]:
-    return ((SAMPLE_INDEX_COLUMN,) if with_sample_index else ()) + _result_columns(json_type)
+def _sample_columns(layout: OutputLayout) -> tuple[OutputColumn, ...]:
+    json_columns = () if layout.json_type is None else (json_column(layout.json_type),)
+    return ((SAMPLE_INDEX_COLUMN,) if layout.with_sample_index else ()) + (
+        RESULT_COLUMNS[0], *json_columns, *RESULT_COLUMNS[1:],
+        *((LOGPROBS_COLUMN,) if layout.with_logprobs else ()),
+        *((PROMPT_LOGPROBS_COLUMN,) if layout.with_prompt_logprobs else ()))
 
 
 @dataclass

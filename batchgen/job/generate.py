@@ -47,7 +47,7 @@ class GenerateTask:
         self.layout = sampling_layout(self.job_params, set(config.sampling.overrides))
 
     def output_schema(self, carried: list[pa.Field]) -> pa.Schema:
-        return output_schema(carried, *self.layout)
+        return output_schema(carried, self.layout)
 
     def encode(self, tokenizer: Any, rows: list[InputRow]) -> tuple[list, list[InputRow], list]:
         """(rows for the engine with their overrides and sampling, bad rows, the good rows' `encode_batch`)."""
@@ -84,8 +84,8 @@ class GenerateTask:
     def failed_rows(self, row: InputRow, num_samples: int) -> list[dict]:
         """The output rows of a row that cannot run: one error row per sample."""
         return output_rows(row, RequestOutput.failed(row.index, None, [], num_samples, row.error, time.time()),
-                           *self.layout)
+                           self.layout)
 
     def finished_rows(self, planned: PlannedRow, output: RequestOutput) -> list[dict]:
         """The output rows of a finished request: one per sample."""
-        return output_rows(planned.row, output, *self.layout)
+        return output_rows(planned.row, output, self.layout)

@@ -271,10 +271,10 @@ class PlanWorker:
                         block.column(PARAMS).to_pylist(), block.column(ARRIVAL_TIME).to_pylist()))]
         outputs = sorted(self.llm.run_requests(requests, use_tqdm=False), key=lambda output: output.request_id)
         samples = [(position, values) for position, output in enumerate(outputs)
-                   for values in sample_values(output, *self.layout)]
+                   for values in sample_values(output, self.layout)]
         kept = block.drop_columns([TOKEN_IDS, BLOCK_HASHES, PARAMS, ARRIVAL_TIME]).take(
             pa.array([position for position, _ in samples], pa.int64()))
-        results = pa.Table.from_pylist([values for _, values in samples], schema=pa.schema(sample_fields(*self.layout)))
+        results = pa.Table.from_pylist([values for _, values in samples], schema=pa.schema(sample_fields(self.layout)))
         for field, column in zip(results.schema, results.columns):
             kept = kept.append_column(field, column)
         num = len(samples)

@@ -7,11 +7,11 @@ import pyarrow as pa
 import pytest
 
 from batchgen import SamplingParams
-from batchgen.io.output_table import OUTPUT_COLUMNS, arrow_type_of_schema, output_schema, sampling_layout
+from batchgen.io.output_table import OUTPUT_COLUMNS, OutputLayout, arrow_type_of_schema, output_schema, sampling_layout
 
 
 def test_column_order_and_types():
-    schema = output_schema([pa.field("topic", pa.string()), pa.field("level", pa.int8())], with_sample_index=True)
+    schema = output_schema([pa.field("topic", pa.string()), pa.field("level", pa.int8())], OutputLayout(with_sample_index=True))
     assert schema.names[:5] == ["row_index", "id", "topic", "level", "sample_index"]
     assert schema.names[5:] == list(OUTPUT_COLUMNS[3:])
     assert schema.field("row_index").type == pa.int64()
@@ -26,12 +26,12 @@ def test_column_order_and_types():
 
 
 def test_sample_index_only_when_asked():
-    assert "sample_index" not in output_schema([], with_sample_index=False).names
+    assert "sample_index" not in output_schema([], OutputLayout()).names
 
 
 def test_carried_column_clashing_with_an_output_column_is_refused():
     with pytest.raises(ValueError, match="'id', 'error'"):
-        output_schema([pa.field("id", pa.string()), pa.field("error", pa.string())], with_sample_index=False)
+        output_schema([pa.field("id", pa.string()), pa.field("error", pa.string())], OutputLayout())
 
 
 # ---- output_json: the Arrow type of a JSON schema ----------------------------------------------
@@ -87,4 +87,4 @@ def test_a_schema_that_settles_one_type_gets_it(schema, expected):
 def test_a_schema_without_one_lossless_type_falls_back_to_json_text(schema):
     assert arrow_type_of_schema(schema) is None
     if isinstance(schema, dict):
-        assert sampling_layout(SamplingParams(json_schema=schema), set())[1] == pa.string()
+        assert sampling_layout(SamplingParams(json_schema=schema), set()).json_type == pa.string()

@@ -10,7 +10,7 @@ import pytest
 
 from batchgen import SamplingParams
 from batchgen.io.readers import InputRow
-from batchgen.io.output_table import output_rows, output_schema, percentile, sampling_layout, timing_columns
+from batchgen.io.output_table import OutputLayout, output_rows, output_schema, percentile, sampling_layout, timing_columns
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -40,7 +40,7 @@ def test_one_row_per_sample_with_carried_columns_and_sample_index():
                              num_prompt_tokens=5, num_cached_tokens=4, num_output_tokens=2,
                              inter_token_latencies=[1.0])
     completions = [CompletionOutput(i, f"text {i}", [7, 8], "length", None, metrics) for i in range(2)]
-    rows = output_rows(row, RequestOutput(0, "hi", [1, 2, 3, 4, 5], completions), with_sample_index=True)
+    rows = output_rows(row, RequestOutput(0, "hi", [1, 2, 3, 4, 5], completions), OutputLayout(with_sample_index=True))
     assert [(r["row_index"], r["id"], r["topic"], r["sample_index"], r["output_text"]) for r in rows] == [
         (3, "q3", "t", 0, "text 0"), (3, "q3", "t", 1, "text 1")]
     assert rows[0]["num_cached_tokens"] == 4 and rows[0]["error"] is None and rows[0]["tpot_s"] == 1.0
@@ -50,7 +50,7 @@ def test_error_rows_have_the_reason_and_no_text():
     row = InputRow(index=0, id="0", prompt=None, error="row 0: column 'prompt' is null", carried={}, overrides={})
     metrics = RequestMetrics(arrival_time=1.0, finished_time=1.5)
     failed = RequestOutput(0, None, [], [CompletionOutput(0, "", [], "error", row.error, metrics)], error=row.error)
-    (out,) = output_rows(row, failed, with_sample_index=False)
+    (out,) = output_rows(row, failed, OutputLayout())
     assert "sample_index" not in out
     assert (out["finish_reason"], out["error"], out["output_text"]) == ("error", row.error, None)
     assert out["ttft_s"] is None and out["queue_s"] is None and out["e2e_s"] == 0.5
@@ -59,13 +59,13 @@ def test_error_rows_have_the_reason_and_no_text():
 def json_rows(texts: list[tuple[str, str]], schema: dict) -> list[dict]:
     """The output_json values of a JSON-constrained job's rows (one per (text, finish reason)),
     after they went through the output schema's Arrow table as the writer builds it."""
-    _, json_type = sampling_layout(SamplingParams(json_schema=schema), set())
+    layout = sampling_layout(SamplingParams(json_schema=schema), set())
     rows = []
     for index, (text, reason) in enumerate(texts):
         row = InputRow(index=index, id=str(index), prompt="p", error=None, carried={}, overrides={})
         completion = CompletionOutput(0, text, [5], reason, None, RequestMetrics(arrival_time=0.0, finished_time=1.0))
-        rows += output_rows(row, RequestOutput(index, "p", [1], [completion]), False, json_type)
-    table = pa.Table.from_pylist(rows, schema=output_schema([], False, json_type))
+        rows += output_rows(row, RequestOutput(index, "p", [1], [completion]), layout)
+    table = pa.Table.from_pylist(rows, schema=output_schema([], layout))
     assert table.column("output_text").to_pylist() == [text for text, _ in texts]
     return table.column("output_json").to_pylist()
 
@@ -94,6 +94,6 @@ def test_a_sample_that_failed_after_generating_keeps_its_text():
     row = InputRow(index=0, id="0", prompt="p", error=None, carried={}, overrides={})
     error = "the output breaks json_schema at $: [1, 1] has non-unique elements"
     refused = CompletionOutput(0, "[1, 1]", [5, 6], "error", error, RequestMetrics(arrival_time=0.0, finished_time=1.0))
-    (out,) = output_rows(row, RequestOutput(0, "p", [1], [refused]), False, pa.string())
+    (out,) = output_rows(row, RequestOutput(0, "p", [1], [refused]), OutputLayout(json_type=pa.string()))
     assert (out["finish_reason"], out["error"]) == ("error", error)
     assert (out["output_text"], out["output_json"]) == ("[1, 1]", None)

@@ -9,11 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.io import commit as commit_module
-from batchgen.io.output_table import output_schema
+from batchgen.io.output_table import OutputLayout, output_schema
 from batchgen.io.manifest import MANIFEST_NAME
 from batchgen.io.writer import FINGERPRINT_KEY, JobMismatchError, ShardWriter
 
-SCHEMA = output_schema([pa.field("topic", pa.string())], with_sample_index=False)
+SCHEMA = output_schema([pa.field("topic", pa.string())], OutputLayout())
 METADATA = {"batchgen.model": "tiny", "batchgen.version": "0.1.0"}
 
 
@@ -67,7 +67,7 @@ def test_resume_skips_committed_rows_and_refuses_repeats(tmp_path):
 
 
 def test_samples_of_one_row_share_a_shard(tmp_path):
-    writer = open_writer(tmp_path / "out.parquet", shard_size=2, schema=output_schema([], with_sample_index=True))
+    writer = open_writer(tmp_path / "out.parquet", shard_size=2, schema=output_schema([], OutputLayout(with_sample_index=True)))
     shard_dir = tmp_path / "out.parquet.shards"
 
     def sample(index: int, sample_index: int) -> dict:

@@ -425,3 +425,28 @@ def test_a_model_without_a_chat_template_uses_plain_text_prompts_as_they_are(tmp
                                                    SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     assert rows[0]["error"] is None and rows[0]["output_text"] == expected.outputs[0].text
     assert rows[1]["error"] == "row 1: chat messages given but the tokenizer has no chat template"
+
+
+def test_logprobs_and_prompt_logprobs_are_written_per_row_and_the_cache_serves_the_other_rows(tmp_path, model_dir,
+                                                                                             llm):
+    records = [{**record, "wants_prompt": i == 1 or None} for i, record in enumerate(PLAIN_RECORDS[:4])]
+    records = [{**record, "prompt_logprobs": 1 if record.pop("wants_prompt") else None} for record in records]
+    write_jsonl(tmp_path / "in.jsonl", records)
+    sampling = {"max_tokens": 3, "temperature": 0, "logprobs": 2, "overrides": {"prompt_logprobs": "prompt_logprobs"}}
+    job = write_job(tmp_path, model_dir, {"path": "in.jsonl", "apply_chat_template": False}, sampling=sampling)
+    run_job(load_job(job), use_tqdm=False)
+    rows = read_output(tmp_path / "out" / "answers.parquet")
+    [expected] = llm.generate([records[1]["prompt"]], SamplingParams(max_tokens=3, temperature=0, logprobs=2,
+                                                                     prompt_logprobs=1), use_tqdm=False)
+    positions = rows[1]["logprobs"]
+    assert [p["token_id"] for p in positions] == expected.outputs[0].token_ids
+    for position, entry in zip(positions, expected.outputs[0].logprobs):
+        (token, chosen), *others = entry.items()
+        assert (position["token"], position["logprob"], position["rank"]) == (f"w{token}", chosen.logprob, chosen.rank)
+        assert [alt["token_id"] for alt in position["top"]] == [t for t, _ in sorted(others, key=lambda o: o[1].rank)]
+    prompt = rows[1]["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == len(expected.prompt_token_ids)
+    assert [p["logprob"] for p in prompt[1:]] == [next(iter(e.values())).logprob for e in expected.prompt_logprobs[1:]]
+    assert rows[0]["prompt_logprobs"] is None and rows[0]["logprobs"] is not None
+    # the row that asked for its prompt's logprobs computed its prompt; the others still shared theirs
+    assert rows[1]["num_cached_tokens"] == 0 and rows[2]["num_cached_tokens"] > 0 and rows[3]["num_cached_tokens"] > 0
