@@ -123,6 +123,9 @@ def test_two_workers_write_every_row_once_as_one_process_does_and_compute_each_p
     assert abs(on_ray - single) <= 0.05 * single
     assert on_ray < 0.7 * random_placement
     assert summary.tokens.num_computed_prompt_tokens == on_ray and summary.num_rows_ok == NUM_GROUPS * ROWS_PER_GROUP
+    # the workers' memory and model loads are reported, not only the driver's
+    assert summary.peak_worker_rss_bytes > 0 and summary.load_s > 0 and summary.generate_s > 0
+    assert "in the largest worker" in summary.to_text()
     # a rerun of the finished job does nothing
     again = run_job(load_job(write_job(tmp_path, model_dir, input_path, "ray", executor="ray")), use_tqdm=False)
     assert again.is_nothing_to_do
