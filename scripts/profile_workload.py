@@ -35,9 +35,9 @@ from bench_models import lowest_plain_token_id  # noqa: E402
 from bench_systems import SYSTEM_NAMES, synchronize  # noqa: E402
 from bench_workloads import WORKLOAD_NAMES, Workload, build_workload  # noqa: E402
 
-from batchgen.kernels.profiler_spans import ATTENTION_SPAN, BF16_LINEAR_SPAN  # noqa: E402
+from batchgen.kernels.profiler_spans import ATTENTION_SPAN, BF16_LINEAR_SPAN, INT8_LINEAR_SPAN  # noqa: E402
 
-LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", BF16_LINEAR_SPAN)
+LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", BF16_LINEAR_SPAN, INT8_LINEAR_SPAN)
 ATTENTION_OPS = (ATTENTION_SPAN, "aten::scaled_dot_product_attention")
 TOP_OPS = 12
 

@@ -1,0 +1,300 @@
+/*
+ * The int8 linear layers of a step (`quantization: int8`, W8A8) on a CPU with AVX512-VNNI,
+ * through AMX tiles where the CPU has AMX-INT8.
+ *
+ *   bg_int8_gemm_available       1 where this build holds a kernel and may run it, else 0
+ *   bg_int8_gemm_panel_columns   output columns per panel of the weight layout (96; 32 on the
+ *                                AMX path)
+ *   bg_int8_quantize_rows        q[r] = round(x[r] * 127 / max|x[r]|) (to nearest even), scale[r]
+ *                                = max|x[r]| / 127: symmetric int8 per row (per token), each row
+ *                                padded with zeros to the quantized row length
+ *   bg_int8_linear               out[m, n] = bf16(float(q[m] . w[n]) * (x_scale[m] * w_scale[n])
+ *                                + bias[n]): the int32 sum is exact, the scaling two float32
+ *                                products (no fused multiply-add: the build has -ffp-contract=off),
+ *                                the bias one float32 addition, rounded to nearest even once
+ *
+ * Inputs come in multiples of INPUT_MULTIPLE (64, one AMX tile row of int8): the weight and the
+ * quantized rows are padded with zeros to it, so any number of inputs is taken.
+ *
+ * Weight layout (`int8_gemm.pack`): panel p holds output columns [Pp, Pp + P) (P =
+ * PANEL_COLUMNS), zero past n; within it, for each input quad (4i .. 4i + 3), the P columns'
+ * four int8 values side by side. A panel is one contiguous stream of k / 4 runs of P / 16
+ * vectors: the operand layout of vpdpbusd, which adds four products per lane, and of an AMX B
+ * tile (16 input quads of 16 columns, a row stride of one quad's P columns). Each thread owns a
+ * contiguous range of panels.
+ *
+ * AVX512-VNNI path: vpdpbusd multiplies unsigned by signed bytes, so each row's quad is taken
+ * as q + 128 (its sign bit flipped) and 128 * sum(w[n]) (`compensation`, computed at packing)
+ * is subtracted from every column's sum. A tile of 4 rows x 96 columns is 24 int32
+ * accumulators; for each input quad it loads the panel's 6 vectors once and broadcasts each
+ * row's quad, and asks for the thread's next panel as it goes (the bf16 kernel's tiling).
+ *
+ * AMX path: a block of 32 rows x 32 columns is four 16 x 16 int32 accumulator tiles fed per 64
+ * inputs by two tiles of rows and two of the panel (tdpbssd: signed by signed). A panel is one
+ * block's 32 columns, read as one contiguous stream; the row blocks of a panel ask for the next
+ * panel's weight into L2, and rows go SUPER_ROWS at a time so their int8 rows stay in L2 while
+ * the thread's panels pass (the bf16 kernel's AMX tiling).
+ */
+#include <stdint.h>
+
+#define INPUT_MULTIPLE 64
+#define QUANTIZE_PARALLEL_ELEMENTS 8192   /* fewer elements are quantized on one thread */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define BLOCK_COLUMNS 16                  /* one vector of int32 accumulators */
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define PANEL_BLOCKS 2
+#else
+#define PANEL_BLOCKS 6
+#endif
+#define PANEL_COLUMNS (BLOCK_COLUMNS * PANEL_BLOCKS)
+#define LINE_BYTES 64
+
+static inline __mmask16 column_mask(int64_t col, int64_t n) {
+    int64_t left = n - col;
+    return left >= BLOCK_COLUMNS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* One row's 16 columns from their exact int32 sums: scaled, bias added, rounded to bf16 and
+ * stored; columns past n left alone. */
+static inline void store_block(uint16_t *out, __m512i sums, float x_scale, const float *w_scales,
+                               const uint16_t *bias, int64_t col, int64_t n) {
+    __mmask16 mask = column_mask(col, n);
+    __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scale), _mm512_maskz_loadu_ps(mask, w_scales + col));
+    __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
+    if (bias != 0) {
+        __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
+        value = _mm512_add_ps(value, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+    }
+    _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(value));
+}
+
+static inline __m512 bf16_to_float(const uint16_t *x, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x)), 16));
+}
+
+static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, int64_t q_length, float *scale) {
+    __m512 peak = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16)
+        peak = _mm512_max_ps(peak, _mm512_abs_ps(bf16_to_float(x + i, column_mask(i, k))));
+    float absmax = _mm512_reduce_max_ps(peak);
+    float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+    *scale = absmax / 127.0f;
+    for (int64_t i = 0; i < k; i += 16) {
+        __mmask16 mask = column_mask(i, k);
+        __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_float(x + i, mask), _mm512_set1_ps(inverse)));
+        _mm512_mask_cvtsepi32_storeu_epi8(q + i, mask, rounded);
+    }
+    for (int64_t i = k; i < q_length; i++) q[i] = 0;
+}
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include "amx.h"
+
+#define CHUNK_INPUTS 64                   /* inputs per tile product: 16 quads */
+#define BLOCK_ROWS 32                     /* two tiles of 16 rows */
+#define SUPER_ROWS 512                    /* rows that stay in L2 while the thread's panels pass */
+#define C_TOP_LEFT 0
+#define C_TOP_RIGHT 1
+#define C_BOTTOM_LEFT 2
+#define C_BOTTOM_RIGHT 3
+#define X_TOP 4
+#define X_BOTTOM 5
+#define W_LEFT 6
+#define W_RIGHT 7
+
+/* Every tile 64 bytes a row; the accumulators and row tiles of the top and bottom 16 rows of a
+ * block hold `top` and `bottom` rows (0: that tile unused), the weight tiles 16 input quads. */
+static void configure_tiles(int top, int bottom) {
+    TileConfig config = {.palette_id = 1};
+    int rows[8] = {top, top, bottom, bottom, top, bottom, CHUNK_INPUTS / 4, CHUNK_INPUTS / 4};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = (uint8_t)rows[t];
+        config.bytes_per_row[t] = rows[t] > 0 ? 64 : 0;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* One block: rows [0, top + bottom) of q (row stride k) times the 32 panel columns at `w`, into
+ * `sums` as four 16 x 16 int32 tiles (top left, top right, bottom left, bottom right); its
+ * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly. */
+static void block(const int8_t *q, int64_t k, int bottom, const int8_t *w, const char *ahead, int64_t ahead_lines,
+                  int32_t *sums) {
+    const int64_t w_stride = PANEL_COLUMNS * 4, w_chunk = CHUNK_INPUTS * PANEL_COLUMNS;
+    _tile_zero(C_TOP_LEFT);
+    _tile_zero(C_TOP_RIGHT);
+    if (bottom) {
+        _tile_zero(C_BOTTOM_LEFT);
+        _tile_zero(C_BOTTOM_RIGHT);
+    }
+    const int64_t chunks = k / CHUNK_INPUTS, per_chunk = (ahead_lines + chunks - 1) / chunks;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int8_t *chunk = w + c * w_chunk;
+        for (int64_t line = c * per_chunk; line < (c + 1) * per_chunk && line < ahead_lines; line++)
+            _mm_prefetch(ahead + line * LINE_BYTES, _MM_HINT_T2);
+        _tile_loadd(X_TOP, q + c * CHUNK_INPUTS, k);
+        _tile_loadd(W_LEFT, chunk, w_stride);
+        _tile_dpbssd(C_TOP_LEFT, X_TOP, W_LEFT);
+        _tile_loadd(W_RIGHT, chunk + BLOCK_COLUMNS * 4, w_stride);
+        _tile_dpbssd(C_TOP_RIGHT, X_TOP, W_RIGHT);
+        if (bottom) {
+            _tile_loadd(X_BOTTOM, q + 16 * k + c * CHUNK_INPUTS, k);
+            _tile_dpbssd(C_BOTTOM_LEFT, X_BOTTOM, W_LEFT);
+            _tile_dpbssd(C_BOTTOM_RIGHT, X_BOTTOM, W_RIGHT);
+        }
+    }
+    _tile_stored(C_TOP_LEFT, sums, 64);
+    _tile_stored(C_TOP_RIGHT, sums + 256, 64);
+    if (bottom) {
+        _tile_stored(C_BOTTOM_LEFT, sums + 512, 64);
+        _tile_stored(C_BOTTOM_RIGHT, sums + 768, 64);
+    }
+}
+
+/* Rows [first_row, last_row) over panels [first, last), in blocks of `rows` (the tiles are
+ * configured for it). The blocks of a panel ask for the next panel's weight into L2. */
+static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const int8_t *weight, const float *w_scales,
+                     const uint16_t *bias, int64_t n, uint16_t *out, int64_t first, int64_t last, int64_t first_row,
+                     int64_t last_row, int rows) {
+    int32_t sums[4 * 256] __attribute__((aligned(64)));
+    int top = rows < 16 ? rows : 16, bottom = rows - top;
+    const int64_t panel_bytes = k * PANEL_COLUMNS, next_lines = panel_bytes / LINE_BYTES;
+    const int64_t blocks = (last_row - first_row + rows - 1) / rows;
+    for (int64_t p = first; p < last; p++) {
+        const int8_t *panel = weight + p * panel_bytes;
+        const int64_t lines = p + 1 < last ? next_lines : 0;
+        for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
+            int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
+            block(q + row * k, k, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES, to - from,
+                  sums);
+            for (int r = 0; r < rows; r++) {
+                const int32_t *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
+                for (int half = 0; half < 2 && p * PANEL_COLUMNS + half * BLOCK_COLUMNS < n; half++)
+                    store_block(out + (row + r) * n, _mm512_load_si512(tile_row + half * 256), x_scales[row + r],
+                                w_scales, bias, p * PANEL_COLUMNS + half * BLOCK_COLUMNS, n);
+            }
+        }
+    }
+}
+
+static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
+                        const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
+                        uint16_t *out, int64_t first, int64_t last) {
+    (void)compensation; /* tdpbssd multiplies signed by signed */
+    int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
+    if (full_rows > 0) {
+        configure_tiles(16, 16);
+        for (int64_t start = 0; start < full_rows; start += SUPER_ROWS)
+            row_pass(q, x_scales, k, weight, w_scales, bias, n, out, first, last, start,
+                     start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows, BLOCK_ROWS);
+    }
+    if (m > full_rows) {
+        int rows = (int)(m - full_rows);
+        configure_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+        row_pass(q, x_scales, k, weight, w_scales, bias, n, out, first, last, full_rows, m, rows);
+    }
+    _tile_release();
+}
+
+int bg_int8_gemm_available(void) { return amx_tiles_granted(); }
+
+#else
+
+#define TILE_ROWS 4
+#define MAX_PREFETCH_TILES 16             /* more tiles per panel: its later tiles hit cache */
+
+/* Rows [0, rows) of q (row stride k) times one panel, into out's columns [col, col + PANEL_COLUMNS);
+ * rows past `rows` read row rows - 1 and are not stored. */
+static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, const int8_t *panel,
+                 const char *ahead, int64_t ahead_lines, int64_t per_quad, const float *w_scales,
+                 const int32_t *compensation, const uint16_t *bias, uint16_t *out, int64_t col, int64_t n) {
+    __m512i acc[TILE_ROWS][PANEL_BLOCKS];
+    const int32_t *quads[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) {
+        quads[r] = (const int32_t *)(q + (r < rows ? r : rows - 1) * k);
+        for (int j = 0; j < PANEL_BLOCKS; j++) acc[r][j] = _mm512_setzero_si512();
+    }
+    const __m512i sign_bits = _mm512_set1_epi32((int32_t)0x80808080u);
+    for (int64_t i = 0; i < k / 4; i++) {
+        __m512i w[PANEL_BLOCKS];
+        for (int j = 0; j < PANEL_BLOCKS; j++)
+            w[j] = _mm512_loadu_si512(panel + (i * PANEL_BLOCKS + j) * BLOCK_COLUMNS * 4);
+        for (int64_t line = i * per_quad; line < (i + 1) * per_quad && line < ahead_lines; line++)
+            _mm_prefetch(ahead + line * LINE_BYTES, _MM_HINT_T0);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            __m512i quad = _mm512_xor_si512(_mm512_set1_epi32(quads[r][i]), sign_bits);
+            for (int j = 0; j < PANEL_BLOCKS; j++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], quad, w[j]);
+        }
+    }
+    for (int j = 0; j < PANEL_BLOCKS && col + j * BLOCK_COLUMNS < n; j++) {
+        __m512i offset = _mm512_loadu_si512(compensation + col + j * BLOCK_COLUMNS);
+        for (int r = 0; r < rows; r++)
+            store_block(out + r * n, _mm512_sub_epi32(acc[r][j], offset), x_scales[r], w_scales, bias,
+                        col + j * BLOCK_COLUMNS, n);
+    }
+}
+
+static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
+                        const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
+                        uint16_t *out, int64_t first, int64_t last) {
+    const int64_t panel_bytes = k * PANEL_COLUMNS, panel_lines = panel_bytes / LINE_BYTES;
+    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t lines_per_tile = tiles <= MAX_PREFETCH_TILES ? (panel_lines + tiles - 1) / tiles : 0;
+    const int64_t per_quad = (lines_per_tile + k / 4 - 1) / (k / 4);
+    for (int64_t p = first; p < last; p++) {
+        const int8_t *panel = weight + p * panel_bytes;
+        const int64_t next_lines = p + 1 < last ? panel_lines : 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t row = t * TILE_ROWS, asked = t * lines_per_tile;
+            int64_t lines = next_lines - asked < lines_per_tile ? next_lines - asked : lines_per_tile;
+            int rows = (int)(m - row < TILE_ROWS ? m - row : TILE_ROWS);
+            tile(q + row * k, x_scales + row, k, rows, panel, (const char *)(panel + panel_bytes) + asked * LINE_BYTES,
+                 lines > 0 ? lines : 0, per_quad, w_scales, compensation, bias, out + row * n, p * PANEL_COLUMNS, n);
+        }
+    }
+}
+
+int bg_int8_gemm_available(void) { return 1; }
+
+#endif
+
+int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
+
+/* x [m, k] bf16 rows of row stride x_stride; q [m, q_length] (q_length >= k, a multiple of
+ * INPUT_MULTIPLE), scales [m]. */
+void bg_int8_quantize_rows(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, int8_t *q, int64_t q_length,
+                           float *scales, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= QUANTIZE_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * x_stride, k, q + r * q_length, q_length, scales + r);
+}
+
+/* q [m, k] int8 rows and x_scales [m] from bg_int8_quantize_rows (k a multiple of
+ * INPUT_MULTIPLE); weight packed as above with w_scales [n] and compensation [n] (128 times
+ * each column's sum); bias [n] bf16 or NULL; out [m, n] bf16. m may be 0: nothing is computed. */
+void bg_int8_linear(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
+                    const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
+                    uint16_t *out, int num_threads) {
+    if (m < 1) return;
+    int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+    if (num_threads > panels) num_threads = (int)panels;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        panel_range(q, x_scales, m, k, weight, w_scales, compensation, bias, n, out, panels * thread / team,
+                    panels * (thread + 1) / team);
+    }
+}
+
+#else
+
+int bg_int8_gemm_available(void) { return 0; }
+
+int bg_int8_gemm_panel_columns(void) { return 0; }
+
+#endif
+
+int bg_int8_gemm_input_multiple(void) { return INPUT_MULTIPLE; }

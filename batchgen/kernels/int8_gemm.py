@@ -1,0 +1,102 @@
+"""int8 linear layers through ``csrc/int8_gemm.c``: W8A8 products on VNNI or AMX-INT8.
+
+On a CPU with AVX512-VNNI an int8 dot instruction (vpdpbusd) does twice the multiply-adds of
+the bf16 one, and AMX-INT8 likewise against AMX-BF16; the weights are half the bytes of bf16.
+`is_available` says whether this machine's build holds a kernel (AVX512-VNNI, or AMX-INT8 with
+the OS's permission to use the tile registers).
+
+Invariants:
+- `pack` copies a [n, k] int8 weight into the kernel's panel layout once, its inputs padded
+  with zeros to a multiple of `INPUT_MULTIPLE`; `quantize_rows` pads each row alike.
+- `quantize_rows` equals `int8_reference.quantize_rows` exactly, and `linear` equals
+  `int8_reference.linear` exactly (the int32 sums are exact, the float32 scaling is done in the
+  same order, the bf16 rounding once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels.c_library import load_library
+from batchgen.kernels.profiler_spans import INT8_LINEAR_SPAN, profiler_span
+
+# products are scaled by two float32 multiplications and the bias added apart, as the reference does
+COMPILE_FLAGS = ("-ffp-contract=off",)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return load_build()
+
+
+def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """A build of ``int8_gemm.c`` that holds the kernel, with its signatures set, or None;
+    `extra_flags` add to the compiler's (``-mno-amx-int8``: the VNNI kernel on a CPU with AMX)."""
+    library = load_library("int8_gemm.c", COMPILE_FLAGS + extra_flags)
+    if library is None or not library.bg_int8_gemm_available():
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.bg_int8_quantize_rows.argtypes = [pointer, size, size, size, pointer, size, pointer, ctypes.c_int]
+    library.bg_int8_quantize_rows.restype = None
+    library.bg_int8_linear.argtypes = [pointer, pointer, size, size, pointer, pointer, pointer, pointer, size, pointer,
+                                       ctypes.c_int]
+    library.bg_int8_linear.restype = None
+    return library
+
+
+def is_available() -> bool:
+    """Whether this machine's build holds the kernel."""
+    return _library() is not None
+
+
+def input_multiple() -> int:
+    """The multiple the inputs of a packed weight and a quantized row are padded to (64)."""
+    return _library().bg_int8_gemm_input_multiple()
+
+
+def padded_inputs(in_features: int) -> int:
+    return -(-in_features // input_multiple()) * input_multiple()
+
+
+def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 [n, k] weight as (panels, compensation): panels of this build's panel columns (96;
+    32 on the AMX path) output columns, zeros past n and past k, each holding, for every input
+    quad, its columns' four values side by side; compensation [panels x columns] int32 is 128
+    times each column's sum (the VNNI path's unsigned inputs)."""
+    n, k = values.shape
+    columns = _library().bg_int8_gemm_panel_columns()
+    panels = -(-n // columns)
+    padded = F.pad(values, (0, padded_inputs(k) - k, 0, panels * columns - n))
+    packed = padded.view(panels, columns, padded.shape[1] // 4, 4).transpose(1, 2).contiguous()
+    compensation = padded.sum(dim=1, dtype=torch.int32) * 128
+    return packed, compensation
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of a 2-D bf16 `x`: q [m, padded_inputs(k)] int8, scales [m] float32."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, padded_inputs(k)), dtype=torch.int8)
+    scales = torch.empty(m, dtype=torch.float32)
+    _library().bg_int8_quantize_rows(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), q.shape[1], scales.data_ptr(),
+                                     torch.get_num_threads())
+    return q, scales
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
+           bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows quantized per token, where
+    ``weight = values * scales[:, None]`` and ``pack(values) = (panels, compensation)``."""
+    q, x_scales = quantize_rows(x)
+    out = x.new_empty((x.shape[0], out_features))
+    with profiler_span(INT8_LINEAR_SPAN):
+        _library().bg_int8_linear(q.data_ptr(), x_scales.data_ptr(), q.shape[0], q.shape[1], panels.data_ptr(),
+                                  scales.data_ptr(), compensation.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
+                                  torch.get_num_threads())
+    return out

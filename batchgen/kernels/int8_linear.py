@@ -1,0 +1,106 @@
+"""int8 linear layers: weights quantized once (symmetric, per output channel), and for W8A8
+the activations per token at run time.
+
+Two modes (`QUANTIZATION_MODES`, the engine's `quantization` option):
+
+- ``int8`` (W8A8): ``x @ weight.T`` as ``(q(x) . values) * x_scale * weight_scale``, the int8
+  products summed exactly in int32. On a CPU with AVX512-VNNI or AMX-INT8, `int8_gemm`'s C
+  kernel; elsewhere (CUDA) ``torch._int_mm``. Both compute exactly the same values.
+- ``int8-weight`` (weight only): the activations stay bf16; each product reads int8 weights and
+  bf16 per-channel scales through torch's ``_weight_int8pack_mm`` on a CPU (its scales are
+  bf16, so the weight is quantized against its bf16-rounded scale), and a dequantized copy of
+  each product's weight on CUDA.
+
+Invariants:
+- `quantize_weight` keeps ``|values| <= 127`` and ``weight ~= values * scales[:, None]`` with
+  each channel's largest magnitude at +-127 (a channel of zeros: values 0, scale 0); the model's
+  own weights are not changed.
+- `quantize_rows` is the same per-token quantization for any device: ``q = round(x * (127 /
+  max|x|))`` to nearest even, ``scale = max|x| / 127``, a row of zeros giving q = 0, scale 0.
+- `int8_linear` returns the input's dtype (bfloat16) and takes any row count, 0 included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels import int8_gemm
+
+QUANTIZATION_MODES = ("none", "int8", "int8-weight")
+INT8_MAX = 127
+CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA takes products of more than 16 rows
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """One quantized weight: ``weight ~= values * scales[:, None]`` ([n, k] int8, [n] scales),
+    and the C kernel's copy of `values` where it runs the products (`panels`, `compensation`)."""
+
+    values: torch.Tensor | None  # [n, k] int8; None where the C kernel holds the only copy
+    scales: torch.Tensor  # [n] float32 (int8) or bfloat16 (int8-weight)
+    activations_quantized: bool  # W8A8 (True) or weight only
+    panels: torch.Tensor | None = None  # int8_gemm.pack's layout
+    compensation: torch.Tensor | None = None
+
+
+def quantize_weight(weight: torch.Tensor, mode: str) -> Int8Weight:
+    """`weight` [n, k] quantized for `mode` (``int8`` or ``int8-weight``), packed for the C
+    kernel where it runs W8A8 products on this CPU."""
+    values, scales = quantized_channels(weight, mode)
+    if mode == "int8" and values.device.type == "cpu" and int8_gemm.is_available():
+        panels, compensation = int8_gemm.pack(values)
+        return Int8Weight(None, scales, True, panels, compensation)
+    return Int8Weight(values, scales, mode == "int8")
+
+
+def quantized_channels(weight: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [n, k] int8, scales [n]) of `weight`, symmetric per output channel: as
+    `quantize_rows` for ``int8``; against each channel's bf16-rounded scale for ``int8-weight``."""
+    if mode == "int8":
+        return quantize_rows(weight.detach())
+    scales = (weight.detach().float().abs().amax(dim=1) / INT8_MAX).bfloat16()
+    divisor = torch.where(scales > 0, scales.float(), 1.0)
+    return (weight.detach().float() / divisor[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [m, k] int8, scales [m] float32) of a 2-D `x`, symmetric per row."""
+    x = x.float()
+    absmax = x.abs().amax(dim=1)
+    # a true division (``127 / tensor`` in torch multiplies by a reciprocal, rounding twice)
+    inverse = torch.where(absmax > 0, torch.full_like(absmax, INT8_MAX) / absmax, 0.0)
+    q = (x * inverse[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, absmax / INT8_MAX
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a 2-D `x` (see the module docstring for how)."""
+    out_features = len(weight.scales)
+    if weight.panels is not None:
+        return int8_gemm.linear(x, weight.panels, weight.compensation, weight.scales, bias, out_features)
+    if not weight.activations_quantized:
+        return weight_only_linear(x, weight, bias)
+    q, x_scales = quantize_rows(x)
+    sums = _int_mm(q, weight.values.T)
+    out = sums.float() * (x_scales[:, None] * weight.scales[None, :])
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def weight_only_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.device.type == "cpu":
+        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.values, weight.scales)
+        return out if bias is None else out + bias
+    return F.linear(x, weight.values.to(x.dtype) * weight.scales[:, None].to(x.dtype), bias)
+
+
+def _int_mm(q: torch.Tensor, values_t: torch.Tensor) -> torch.Tensor:
+    """int32 ``q @ values_t``: torch._int_mm, rows padded where CUDA asks for more."""
+    num_rows = len(q)
+    if q.device.type == "cuda" and num_rows < CUDA_MIN_ROWS:
+        q = F.pad(q, (0, 0, 0, CUDA_MIN_ROWS - num_rows))
+    if num_rows == 0:
+        return torch.zeros((0, values_t.shape[1]), dtype=torch.int32, device=q.device)
+    return torch._int_mm(q, values_t)[:num_rows]

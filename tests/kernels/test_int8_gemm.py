@@ -1,0 +1,91 @@
+"""The int8 GEMM kernel (W8A8) against torch's computation of the same quantization, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.kernels import int8_gemm, int8_linear
+from tests.conftest import torch_threads
+
+# The kernel's two paths, each built where this CPU can run it: AVX512-VNNI alone (on an AMX
+# CPU too, built without AMX) and AMX tiles
+VNNI_BUILD = int8_gemm.load_build(("-mno-amx-int8",))
+NATIVE_BUILD = int8_gemm.load_build()
+AMX_BUILD = NATIVE_BUILD if NATIVE_BUILD is not None and NATIVE_BUILD.bg_int8_gemm_panel_columns() == 32 else None
+BUILDS = [pytest.param(build, id=name) for name, build in (("avx512-vnni", VNNI_BUILD), ("amx", AMX_BUILD))
+          if build is not None]
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or no AVX512-VNNI")
+
+
+@pytest.fixture(autouse=True, params=BUILDS)
+def build(request, monkeypatch):
+    monkeypatch.setattr(int8_gemm, "_library", lambda: request.param)
+    return request.param
+
+
+def random_bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The same W8A8 product through torch._int_mm (the path of devices without the kernel)."""
+    values, scales = int8_linear.quantized_channels(weight, "int8")
+    return int8_linear.int8_linear(x, int8_linear.Int8Weight(values, scales, True), bias)
+
+
+def test_pack_places_each_column_quad_in_its_panel(build):
+    columns = build.bg_int8_gemm_panel_columns()
+    assert columns == (32 if build is AMX_BUILD else 96)
+    values = torch.randint(-127, 128, (columns + 2, 70), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    panels, compensation = int8_gemm.pack(values)
+    assert panels.shape == (2, 32, columns, 4)  # 70 inputs padded to 128: 32 quads
+    for panel, quad, column, lane in [(0, 0, 0, 0), (0, 17, columns - 1, 1), (1, 3, 0, 3), (1, 1, 1, 2)]:
+        assert panels[panel, quad, column, lane] == values[columns * panel + column, 4 * quad + lane]
+    assert not panels[1, :, 2:].any() and not panels[:, 18:].any()  # zeros past the columns and inputs
+    assert compensation.tolist()[:3] == [128 * int(v) for v in values[:3].sum(dim=1, dtype=torch.int32)]
+    assert not compensation[columns + 2:].any()
+
+
+@pytest.mark.parametrize("in_features", [64, 70, 576, 1536])
+def test_rows_are_quantized_as_torch_quantizes_them(in_features):
+    x = random_bf16(37, in_features, seed=in_features) * torch.logspace(-3, 3, 37)[:, None].bfloat16()
+    x[5] = 0
+    q, scales = int8_gemm.quantize_rows(x)
+    expected_q, expected_scales = int8_linear.quantize_rows(x)
+    assert q.shape == (37, int8_gemm.padded_inputs(in_features))
+    assert torch.equal(q[:, :in_features], expected_q) and not q[:, in_features:].any()
+    assert torch.equal(scales, expected_scales)
+    assert scales[5] == 0 and not q[5].any()
+    assert q.abs().amax(dim=1)[torch.arange(37) != 5].eq(127).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 70, 300, 600])
+@pytest.mark.parametrize("out_features, in_features", [(1, 64), (16, 64), (97, 578), (100, 96), (300, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_equals_torch_int_mm_of_the_same_quantization(rows, out_features, in_features, threads):
+    x = random_bf16(rows, in_features, seed=rows)
+    weight = random_bf16(out_features, in_features, seed=out_features)
+    bias = random_bf16(out_features, seed=3)
+    packed = int8_linear.quantize_weight(weight, "int8")
+    assert packed.panels is not None and packed.values is None
+    with torch_threads(threads):
+        got = int8_linear.int8_linear(x, packed, bias)
+    expected = torch_product(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert torch.equal(got, expected)
+
+
+def test_a_product_of_no_rows_is_empty_and_strided_rows_are_read_right():
+    weight = random_bf16(100, 64, seed=0)
+    packed = int8_linear.quantize_weight(weight, "int8")
+    assert int8_linear.int8_linear(random_bf16(0, 64, seed=1), packed, None).shape == (0, 100)
+    x = random_bf16(64, 20, seed=2).T  # 20 rows, not contiguous
+    assert torch.equal(int8_linear.int8_linear(x, packed, None), torch_product(x.contiguous(), weight, None))
+
+
+def test_the_quantized_product_is_near_the_bf16_product():
+    x, weight = random_bf16(64, 576, seed=0), random_bf16(960, 576, seed=1)
+    got = int8_linear.int8_linear(x, int8_linear.quantize_weight(weight, "int8"), None).float()
+    exact = x.float() @ weight.float().T
+    assert (got - exact).norm() / exact.norm() < 0.02
