@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.options import byte_size, check_options, device_name, int_at_least, one_of, option, or_null, true_or_false
+from batchgen.options import OptionError, byte_size, check_options, device_name, int_at_least, one_of, option, or_null, true_or_false
 from batchgen.models import DTYPE_NAMES
+from batchgen.kernels.int8_linear import QUANTIZATION_MODES
 
 ATTENTION_BACKENDS = ("auto", "native", "reference")
 # A step's token budget by device type. On a 2-core CPU a 2,048-token chunk already runs its
@@ -69,12 +70,20 @@ class EngineConfig:
     """Llama-family models (Llama, Mistral, Qwen2) on a CPU in float32 or bfloat16, and on CUDA with
     Triton: batchgen's own forward over merged, packed copies of the weights (more memory); false
     runs transformers' forward with batchgen's attention."""
+    quantization: str = option("none", one_of(*QUANTIZATION_MODES))
+    """The fused step's linear layers in int8, for a bfloat16 model (the LM head stays bfloat16):
+    `none`; `int8`: weights per output channel and activations per token (W8A8), int8 products on
+    AVX512-VNNI or AMX-INT8 on a CPU (`torch._int_mm` on CUDA); `int8-weight`: int8 weights,
+    bfloat16 activations. Opt-in: the outputs differ from bfloat16's (quality and speed against it
+    in the performance page)."""
     cuda_graphs: bool = option(True, true_or_false)
     """CUDA with the Triton decode kernel: decode-only steps replay CUDA graphs, captured once per batch
     and block-table size bucket; false runs every step eagerly."""
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.quantization != "none" and not self.fused_step:
+            raise OptionError("quantization", f"{self.quantization} runs on the fused step, and fused_step is false")
 
     def resolved(self, device: torch.device, dtype: torch.dtype) -> EngineConfig:
         """These options with the automatic ones made concrete, once, for a model loaded on `device`

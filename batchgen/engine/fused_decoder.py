@@ -16,7 +16,9 @@ Invariants:
 - `FusedDecoder.build(model)` returns None unless the model is a `llama`, `mistral` or `qwen2`
   model with a SiLU MLP whose device has the fused ops: on a CPU in float32 or bfloat16 with
   the C ops built here, on CUDA in float32, bfloat16 or float16 with Triton; the engine then
-  runs transformers' forward. It copies the weights it merges or packs (the model is untouched;
+  runs transformers' forward. With a `quantization` (int8 products: `int8_linear`) it raises
+  instead, and for a float32 model too: quantized products run only here, on 16-bit models.
+  The LM head stays in the model's dtype. It copies the weights it merges or packs (the model is untouched;
   later changes to those weights are not seen); on CUDA the o, down and output projections are
   the model's own tensors.
 - A step reads no host value of a device tensor: on CUDA it can be captured in a graph.
@@ -47,6 +49,7 @@ from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, pa
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)  # the model dtypes int8 products run in
 
 
 @dataclass
@@ -59,14 +62,15 @@ class FusedLayer:
     post_norm: torch.Tensor
 
     @classmethod
-    def from_module(cls, layer) -> FusedLayer:
+    def from_module(cls, layer, quantization: str) -> FusedLayer:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         return cls(
-            qkv=pack_weights([p.weight for p in projections], [p.bias for p in projections]),
-            o=pack_weights([attention.o_proj.weight], [attention.o_proj.bias]),
-            gate_up=pack_weights([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
-            down=pack_weights([mlp.down_proj.weight], [mlp.down_proj.bias]),
+            qkv=pack_weights([p.weight for p in projections], [p.bias for p in projections], quantization),
+            o=pack_weights([attention.o_proj.weight], [attention.o_proj.bias], quantization),
+            gate_up=pack_weights([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
+                                 quantization),
+            down=pack_weights([mlp.down_proj.weight], [mlp.down_proj.bias], quantization),
             input_norm=layer.input_layernorm.weight.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
         )
@@ -95,12 +99,12 @@ def is_supported(model, ops) -> bool:
 class FusedDecoder:
     """The model's forward over one packed step (see the module docstring)."""
 
-    def __init__(self, model, ops):
+    def __init__(self, model, ops, quantization: str = "none"):
         decoder = model.model
         self.ops = ops
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
-        self.layers = [FusedLayer.from_module(layer) for layer in decoder.layers]
+        self.layers = [FusedLayer.from_module(layer, quantization) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach()
         self.eps = decoder.norm.variance_epsilon
         self.lm_head = pack_weights([model.get_output_embeddings().weight], [None])
@@ -114,11 +118,16 @@ class FusedDecoder:
                                                         for weight in (layer.qkv, layer.o, layer.gate_up, layer.down)])
 
     @classmethod
-    def build(cls, model) -> FusedDecoder | None:
-        """The fused step of `model`, or None where it does not apply."""
+    def build(cls, model, quantization: str = "none") -> FusedDecoder | None:
+        """The fused step of `model`, or None where it does not apply; with a `quantization`
+        that cannot run, a `ValueError` saying why."""
         ops = fused_ops(model.device)
+        if quantization != "none" and not (is_supported(model, ops) and model.dtype in QUANTIZED_DTYPES):
+            raise ValueError(f"quantization: {quantization} runs on the fused step of a Llama, Mistral or Qwen2 "
+                             f"model in bfloat16 (or float16 on CUDA); this is a {model.config.model_type} model in "
+                             f"{str(model.dtype).removeprefix('torch.')} on {model.device.type}")
         try:
-            return cls(model, ops) if is_supported(model, ops) else None
+            return cls(model, ops, quantization) if is_supported(model, ops) else None
         except RuntimeError:  # oneDNN cannot pack this dtype on this CPU
             return None
 

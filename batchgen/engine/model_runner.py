@@ -70,7 +70,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = config.block_size
         self.spec = KVCacheSpec.from_model(model)
-        self.fused = FusedDecoder.build(model) if config.fused_step else None
+        self.fused = FusedDecoder.build(model, config.quantization) if config.fused_step else None
         self.num_blocks = self._num_blocks(config)
         self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
         is_graphed = config.cuda_graphs and self.device.type == "cuda" and self.backend.captures_decode

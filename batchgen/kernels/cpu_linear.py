@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels import bf16_gemm
+from batchgen.kernels.int8_linear import Int8Weight, int8_linear, quantize_weight
 
 # Rows of a oneDNN product are padded to a multiple of ROW_BUCKET: oneDNN keeps state for every
 # input shape it has seen, and a long job meets every row count up to its token budget
@@ -44,7 +45,7 @@ ROW_BUCKET = 32
 class PackedWeight:
     """A weight packed once for the GEMMs that run it, and its bias: products of up to
     `kernel_rows` rows run on `bf16_gemm` (`panels`), larger ones on oneDNN (`onednn`); a
-    device weight (`dense`) runs on `F.linear`."""
+    device weight (`dense`) runs on `F.linear`; a quantized one (`int8`) on `int8_linear`."""
 
     onednn: torch.Tensor | None  # oneDNN's packed layout; None where every product runs on bf16_gemm
     panels: torch.Tensor | None  # `bf16_gemm.pack`'s layout; None where kernel_rows is 0
@@ -52,6 +53,7 @@ class PackedWeight:
     bias: torch.Tensor | None
     out_features: int
     dense: torch.Tensor | None = None  # [out_features, in_features] on a GPU; None on the CPU
+    int8: Int8Weight | None = None  # the weight quantized (`quantization` int8 or int8-weight); None otherwise
 
 
 def row_bucket(weights: list[PackedWeight]) -> int:
@@ -65,13 +67,17 @@ def bucketed(num_rows: int, bucket: int) -> int:
     return -(-num_rows // bucket) * bucket
 
 
-def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedWeight:
+def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                 quantization: str = "none") -> PackedWeight:
     """The row-wise concatenation of `weights` (and of their biases, all given or all None),
     packed once: one product computes all of them. A bf16 weight the kernel takes is packed for
-    it, and for oneDNN too where the kernel runs only small products (on AMX: both copies)."""
+    it, and for oneDNN too where the kernel runs only small products (on AMX: both copies).
+    With `quantization` (``int8``, ``int8-weight``) it is quantized instead (`int8_linear`)."""
     weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     out_features, in_features = weight.shape
+    if quantization != "none":
+        return PackedWeight(None, None, 0, bias, out_features, int8=quantize_weight(weight, quantization))
     if weight.device.type != "cpu":
         return PackedWeight(None, None, 0, bias, out_features, dense=weight)
     on_kernel = weight.dtype == torch.bfloat16 and bf16_gemm.takes(in_features)
@@ -83,6 +89,8 @@ def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``x @ weight.T + bias`` for a 2-D `x` whose rows are `bucketed` for `packed` already."""
+    if packed.int8 is not None:
+        return int8_linear(x, packed.int8, packed.bias)
     if packed.dense is not None:
         return F.linear(x, packed.dense, packed.bias)
     if packed.panels is not None and x.shape[0] <= packed.kernel_rows:

@@ -1,0 +1,103 @@
+"""The fused step with int8 linear layers (`quantization`) against transformers' forward of the
+same model whose linear layers compute the same quantization in torch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.fused_decoder import FusedDecoder
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.step import ScheduledSeq, ScheduledStep
+from batchgen.kernels import decoder_ops
+from batchgen.kernels.int8_linear import Int8Weight, int8_linear, quantized_channels
+from batchgen.options import OptionError
+from tests.conftest import prefill_placed_prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(not decoder_ops.is_available() or not torch.backends.mkldnn.is_available(),
+                                reason="no C compiler or oneDNN")
+PROMPT_LENS = [37, 5, 16, 70]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class TorchInt8Linear(nn.Module):
+    """A linear layer computing `mode`'s quantization through `int8_linear`'s torch path."""
+
+    def __init__(self, linear: nn.Linear, mode: str):
+        super().__init__()
+        values, scales = quantized_channels(linear.weight, mode)
+        self.weight = Int8Weight(values, scales, mode == "int8")
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = int8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return rows.reshape(*x.shape[:-1], rows.shape[-1])
+
+
+def with_torch_int8_linears(model, mode: str):
+    """A copy of `model` whose decoder layers' projections compute `mode` in torch (the LM head not)."""
+    model = copy.deepcopy(model)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in PROJECTIONS:
+                if hasattr(parent, name):
+                    setattr(parent, name, TorchInt8Linear(getattr(parent, name), mode))
+    return model
+
+
+def step_logits(model, **options) -> torch.Tensor:
+    """Logits of a prefill step of four prompts, then of a decode step of all four."""
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, **options))
+    seqs, prefill = prefill_placed_prompts(runner, PROMPT_LENS)
+    decode = runner.execute(ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs]))
+    return torch.cat([prefill, decode]).float()
+
+
+def bf16_model(family: str = "llama"):
+    model = tiny_model(family).to(torch.bfloat16)
+    if FusedDecoder.build(model) is None:
+        pytest.skip("no fused bf16 step on this CPU")
+    return model
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-weight"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_quantized_step_computes_the_quantized_linears_of_transformers_forward(mode, family):
+    model = bf16_model(family)
+    expected = step_logits(with_torch_int8_linears(model, mode), fused_step=False)
+    got = step_logits(model, quantization=mode)
+    unquantized = step_logits(model)
+    error, quantization_error = (got - expected).abs().max(), (unquantized - expected).abs().max()
+    # as close as the bf16 fused step is to transformers' bf16 forward, and far closer than to no quantization
+    assert error <= 0.02 * (expected.max() - expected.min())
+    assert error < quantization_error / 3
+
+
+def test_only_the_decoder_layers_are_quantized_once_at_load():
+    model = bf16_model()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    fused = FusedDecoder.build(model, "int8")
+    assert all(weight.int8 is not None and weight.int8.activations_quantized
+               for layer in fused.layers for weight in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert fused.lm_head.int8 is None
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+    assert not FusedDecoder.build(model, "int8-weight").layers[0].qkv.int8.activations_quantized
+
+
+def test_quantization_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="quantization: int8 runs on the fused step of .* this is a llama model in "
+                                         "float32 on cpu"):
+        FusedDecoder.build(tiny_model(), "int8")
+    other = bf16_model()
+    other.config.model_type = "gemma"
+    with pytest.raises(ValueError, match="gemma model in bfloat16"):
+        FusedDecoder.build(other, "int8-weight")
+    with pytest.raises(OptionError, match="quantization: int8 runs on the fused step, and fused_step is false"):
+        EngineConfig(quantization="int8", fused_step=False)
+    with pytest.raises(OptionError, match="quantization"):
+        EngineConfig(quantization="int4")
+    assert EngineConfig().quantization == "none"
