@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ from typing import Any
 
 import click
 
-from batchgen.job.config import JobConfig, JobConfigError, load_job
+from batchgen.engine.config import EngineConfig
+from batchgen.job.config import JobConfig, JobConfigError, command_line_job, load_job
 from batchgen.io.writer import OutputError
 from batchgen.job.run import plan_job, run_job, validate_job
 from batchgen.kernels.inventory import gather_inventory
@@ -120,13 +122,82 @@ def run(job: Path, output: Path | None, limit: int | None, overwrite: bool, no_p
         overrides["output.path"] = str(output.resolve())
     if overwrite:
         overrides["output.mode"] = "overwrite"
-    config = load(job, overrides)
+    run_and_report(load(job, overrides), limit, no_progress)
+
+
+def engine_options(function: Any) -> Any:
+    """A command-line option for every `EngineConfig` field (`--kv-cache-memory 2GiB`,
+    `--enable-prefix-caching/--no-enable-prefix-caching`), checked as a job file's `engine:` is."""
+    for field in reversed(dataclasses.fields(EngineConfig)):
+        flag = field.name.replace("_", "-")
+        if field.type == "bool":
+            function = click.option(f"--{flag}/--no-{flag}", field.name, default=None,
+                                    help=f"engine.{field.name} (default {str(field.default).lower()}).")(function)
+        else:
+            function = click.option(f"--{flag}", field.name, default=None, metavar="VALUE",
+                                    help=f"engine.{field.name} (default {field.default}).")(function)
+    return function
+
+
+def option_value(text: Any) -> Any:
+    """A command-line value as a job file would hold it: digits are a number, anything else text."""
+    return int(text) if isinstance(text, str) and text.isdigit() else text
+
+
+def run_and_report(config: JobConfig, limit: int | None, no_progress: bool) -> None:
+    """Run the job, print its summary and exit with its code."""
     try:
         summary = run_job(config, limit=limit, use_tqdm=not no_progress)
     except (JobConfigError, OutputError) as error:
         raise JobError(str(error)) from None
     click.echo(summary.to_text())
     click.get_current_context().exit(summary.exit_code)
+
+
+@main.command("run-batch", epilog=EXIT_CODES_HELP)
+@click.argument("requests", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True, metavar="PATH",
+              help="The results file (.jsonl): one OpenAI batch result line per request line, in input order.")
+@click.option("--errors", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH",
+              help="Write the failed lines here instead of with the results (OpenAI's error file).")
+@click.option("--model", metavar="MODEL", help="A model folder, a .gguf file or a hub id (default: the default model).")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="A name request lines may give as their model (repeatable).")
+@click.option("--shard-size", type=click.IntRange(min=1), metavar="N",
+              help="Rows per committed shard: the most a killed run loses (output.shard_size).")
+@limit_option
+@click.option("--overwrite", is_flag=True, help="Replace an existing output instead of resuming it.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@executor_options
+@engine_options
+def run_batch(requests: Path, output: Path, errors: Path | None, model: str | None, served_model_names: tuple[str],
+              shard_size: int | None, limit: int | None, overwrite: bool, no_progress: bool, executor: str | None,
+              num_workers: int | None, **engine: Any) -> None:
+    """Run an OpenAI batch file (REQUESTS: one /v1/chat/completions or /v1/completions request
+    line each, keyed by custom_id) and write OpenAI batch result lines.
+
+    It is a job with input.format and output.format openai_batch: planned, resumable (run the
+    same command again after a kill: every custom_id appears exactly once), with a summary beside
+    the output. The engine options are a job file's engine: section.
+    """
+    values = {"input.path": str(requests), "input.format": "openai_batch", "output.path": str(output),
+              "output.format": "openai_batch", **executor_overrides(executor, num_workers),
+              **{f"engine.{name}": option_value(value) for name, value in engine.items() if value is not None}}
+    if model is not None:
+        values["model"] = model
+    if errors is not None:
+        values["output.errors_path"] = str(errors)
+    if served_model_names:
+        values["input.served_model_names"] = list(served_model_names)
+    if shard_size is not None:
+        values["output.shard_size"] = shard_size
+    if overwrite:
+        values["output.mode"] = "overwrite"
+    try:
+        config = command_line_job(values, Path.cwd())
+    except JobConfigError as error:
+        raise JobError(str(error)) from None
+    run_and_report(config, limit, no_progress)
 
 
 @main.command()

@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.io.readers import InputRow
+from batchgen.io.input_rows import InputRow
 from batchgen.outputs import (CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput, ScoreOutput,
                               TokenLogprobs)
 from batchgen.sampling_params import SamplingParams

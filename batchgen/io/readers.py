@@ -16,45 +16,21 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.options import template_columns
+from batchgen.io.input_rows import InputRow, InputSource, row_error
+from batchgen.io.openai_batch import OpenAIBatchSource
 from batchgen.io.overrides import read_overrides
+from batchgen.options import template_columns
 from batchgen.prompts import BadRowError, apply_template, prompt_from_cell, shape_prompt
 
 BATCH_ROWS = 4096  # rows per batch read
 LINE_ERROR_KEY = "__batchgen_line_error__"  # a JSONL line that is not an object: its record holds only this
-
-
-@dataclass
-class InputRow:
-    """One input row. Exactly one of `prompt` and `error` is None."""
-
-    index: int
-    """Row number in the input (0-based): the output order key."""
-    id: str
-    """The id column's value as str, else str(index)."""
-    prompt: str | list[dict] | None
-    """Text or chat messages, shaped by `shape_prompt`; None when the row is bad."""
-    error: str | None
-    """Why the row is bad ("row 7: column 'prompt' is null"), else None."""
-    carried: dict
-    """Carried input columns {name: value}, values as the input table holds them."""
-    overrides: dict
-    """SamplingParams field -> this row's value, from the override columns."""
-    continuations: list[str] | None = None
-    """task: score: the continuations to score after the prompt (one, or the row's choices)."""
-
-
-def row_error(row_index: int, message: str) -> str:
-    """An error message that names its input row: every bad row's message starts so."""
-    return f"row {row_index}: {message}"
 
 
 def detect_format(path: str | Path) -> str:
@@ -75,25 +51,15 @@ def detect_format(path: str | Path) -> str:
     )
 
 
-@dataclass
-class InputSource:
-    """An opened input: its columns, row count, the Arrow field of each column it can name, and
-    its records in input order, `batch_rows` at a time (Parquet and datasets read only the
-    columns asked for; a JSONL record holds its line's keys)."""
+class TableSource(InputSource):
+    """A table of columns: each record's cells become a row as the job's input spec says (`_make_row`)."""
 
-    columns: list[str]
-    num_rows: int
-    schema: pa.Schema
-    json_columns: set[str] = field(default_factory=set)  # JSONL columns of mixed types (see the module docstring)
-
-    def record_batches(self, columns: list[str], batch_rows: int) -> Iterator[list[dict]]:
-        raise NotImplementedError
-
-    def fields(self, names: list[str]) -> list[pa.Field]:
-        return [self.schema.field(name) for name in names]
+    def make_row(self, index: int, record: dict, spec: Any, overrides: dict[str, str], used_columns: list[str],
+                 has_chat_template: bool) -> InputRow:
+        return _make_row(index, record, spec, overrides, self.json_columns, used_columns, has_chat_template)
 
 
-class ParquetSource(InputSource):
+class ParquetSource(TableSource):
     def __init__(self, paths: list[Path]):
         try:
             self.files = [pq.ParquetFile(path) for path in paths]
@@ -110,7 +76,7 @@ class ParquetSource(InputSource):
                 yield batch.to_pylist()
 
 
-class DatasetSource(InputSource):
+class DatasetSource(TableSource):
     """A Hugging Face `datasets.Dataset` (memory-mapped Arrow), read by iteration."""
 
     def __init__(self, dataset: Any):
@@ -124,7 +90,7 @@ class DatasetSource(InputSource):
             yield batch.to_pylist()
 
 
-class JsonlSource(InputSource):
+class JsonlSource(TableSource):
     def __init__(self, path: Path, carry_columns: list[str]):
         self.path = path
         names: dict[str, None] = {}
@@ -162,8 +128,9 @@ class JsonlSource(InputSource):
             yield records
 
 
-def open_source(spec: Any) -> InputSource:
-    """Open the input named by `spec` (path, format, dataset, split, carry_columns) for streaming."""
+def open_source(spec: Any, model_names: Iterable[str] = ()) -> InputSource:
+    """Open the input named by `spec` (path, format, dataset, split, carry_columns) for streaming;
+    `model_names`: what an OpenAI batch file's lines may name the model."""
     if spec.format == "hf_hub":
         return DatasetSource(_load_hub(spec.dataset or spec.path, spec.split))
     path = Path(spec.path)
@@ -176,7 +143,9 @@ def open_source(spec: Any) -> InputSource:
         return JsonlSource(path, list(spec.carry_columns))
     if fmt == "hf_disk":
         return DatasetSource(_load_from_disk(path, spec.split))
-    raise ValueError(f"unknown input format {fmt!r}; expected auto, parquet, jsonl, hf_disk or hf_hub")
+    if fmt == "openai_batch":
+        return OpenAIBatchSource(path, model_names)
+    raise ValueError(f"unknown input format {fmt!r}; expected auto, parquet, jsonl, hf_disk, hf_hub or openai_batch")
 
 
 def _load_from_disk(path: Path, split: str) -> Any:
@@ -245,7 +214,7 @@ def iter_rows(source: InputSource, spec: Any, limit: int | None = None, override
         if limit is not None:
             records = records[: limit - index]
         if records:
-            yield [_make_row(index + offset, record, spec, overrides, source.json_columns, columns, has_chat_template)
+            yield [source.make_row(index + offset, record, spec, overrides, columns, has_chat_template)
                    for offset, record in enumerate(records)]
         index += len(records)
         if index == limit:  # the next batch is not read

@@ -109,9 +109,10 @@ class ShardWriter:
 
     def __init__(self, output_path: str | Path, fingerprint: str, shard_size: int, schema: pa.Schema,
                  mode: str = "resume", metadata: dict[str, str] | None = None,
-                 description: dict[str, Any] | None = None, file_format: str | None = None) -> None:
+                 description: dict[str, Any] | None = None, file_format: str | None = None,
+                 errors_path: Path | None = None) -> None:
         """`file_format`: the final file's format, or None for a folder output (default: the path's,
-        `output_format_of`)."""
+        `output_format_of`); `errors_path`: an `openai_batch` output's file of failed lines."""
         if mode not in ("resume", "overwrite"):
             raise ValueError(f"output mode must be 'resume' or 'overwrite', got {mode!r}")
         if shard_size < 1:
@@ -119,6 +120,7 @@ class ShardWriter:
         self.output_path = Path(output_path)
         self.file_format = output_format_of(output_path) if file_format is None else file_format
         self.is_single_file = self.file_format is not None
+        self.errors_path = errors_path
         self.shard_dir = Path(f"{output_path}.shards") if self.is_single_file else self.output_path
         self.fingerprint = fingerprint
         self.shard_size = shard_size
@@ -189,8 +191,9 @@ class ShardWriter:
         """Raise when the final file, or a shard-named file the manifest does not list, is not batchgen's."""
         candidates = [path for path in self.shard_dir.glob("shard-*.parquet") if path.name not in listed]
         foreign = [path for path in candidates if not is_batchgen_file(path)]
-        if self.is_single_file and self.output_path.exists() and not self._is_own_final_file():
-            foreign.append(self.output_path)
+        final_files = [self.output_path, *([self.errors_path] if self.errors_path else [])]
+        if self.is_single_file and not self._is_own_final_file():
+            foreign += [path for path in final_files if path.exists()]
         if foreign:
             raise JobMismatchError(
                 f"{str(foreign[0])!r} was not written by batchgen, and batchgen never replaces or deletes files "
@@ -198,11 +201,11 @@ class ShardWriter:
             )
 
     def _is_own_final_file(self) -> bool:
-        """Whether the final file is batchgen's: a Parquet file carrying a fingerprint, a JSONL file
-        beside its shards' manifest (JSON lines have no place for one)."""
-        if self.file_format == "jsonl":
-            return (self.shard_dir / MANIFEST_NAME).is_file()
-        return is_batchgen_file(self.output_path)
+        """Whether the final file is batchgen's: a Parquet file carrying a fingerprint, a JSON-lines
+        file beside its shards' manifest (JSON lines have no place for one)."""
+        if self.file_format == "parquet":
+            return is_batchgen_file(self.output_path)
+        return (self.shard_dir / MANIFEST_NAME).is_file()
 
     def _open_manifest(self) -> list[dict]:
         """The committed shards; refuses another job's output."""
@@ -347,9 +350,17 @@ class ShardWriter:
         self._check_kind()
         shard_paths = [self.shard_dir / shard["file"] for shard in self._shards]
         work_dir = self.shard_dir / f"{TEMP_PREFIX}assembly"
+        model = self.metadata.get("batchgen.model", "")
+
+        def write(file, errors_file=None) -> None:
+            assemble(shard_paths, self.schema, file, work_dir, self.file_format, errors_file, model)
+
         try:
-            atomic_write(self.output_path, self._final_temp_prefix,
-                         lambda file: assemble(shard_paths, self.schema, file, work_dir, self.file_format))
+            if self.errors_path is None:
+                atomic_write(self.output_path, self._final_temp_prefix, write)
+            else:  # the errors file first, then the results: a results file is never older than its errors
+                atomic_write(self.errors_path, f".{self.errors_path.name}.tmp-", lambda errors_file: atomic_write(
+                    self.output_path, self._final_temp_prefix, lambda file: write(file, errors_file)))
         except OSError as error:
             raise OutputError(
                 f"could not write the final file {str(self.output_path)!r}: {error}. Every row is committed "

@@ -51,7 +51,11 @@ from batchgen.io.readers import detect_format
 from batchgen.io.writer import output_format_of
 from batchgen.sampling_params import SamplingParams
 
-FORMATS = ("auto", "parquet", "jsonl", "hf_disk", "hf_hub")
+FORMATS = ("auto", "parquet", "jsonl", "hf_disk", "hf_hub", "openai_batch")
+OUTPUT_FORMATS = ("auto", "parquet", "jsonl", "openai_batch")
+# input keys that shape a table's rows into prompts: an OpenAI batch file's lines say it all
+TABLE_INPUT_KEYS = ("prompt_column", "id_column", "system_prompt", "prompt_template", "carry_columns",
+                    "continuation_column", "choices_column")
 COMMAND_LINE = 0  # the "line" of a value given on the command line
 
 
@@ -67,8 +71,9 @@ class InputConfig:
     """The input table: a `.parquet` or `.jsonl` file, or a folder of Parquet files or one written by
     `datasets.save_to_disk`; relative to the job file's folder. Required unless `format: hf_hub`."""
     format: str = option("auto", one_of(*FORMATS))
-    """`auto` (from the path's suffix or the folder's contents), `parquet`, `jsonl`, `hf_disk`, or
-    `hf_hub` (a dataset named by `dataset`, from the local Hugging Face cache or the hub)."""
+    """`auto` (from the path's suffix or the folder's contents), `parquet`, `jsonl`, `hf_disk`,
+    `hf_hub` (a dataset named by `dataset`, from the local Hugging Face cache or the hub), or
+    `openai_batch` (an OpenAI batch file: one request line per row, keyed by `custom_id`)."""
     dataset: str | None = option(None, or_null(non_empty_text))
     """`format: hf_hub` only: the dataset's name, as `datasets.load_dataset` takes it."""
     split: str = option("train", non_empty_text)
@@ -92,6 +97,9 @@ class InputConfig:
     """`task: score`: the column holding each row's continuation, scored after the prompt."""
     choices_column: str | None = option(None, or_null(non_empty_text))  # task: score
     """`task: score`: the column holding each row's list of choices, each scored after the prompt."""
+    served_model_names: list[str] = option([], column_names)
+    """`format: openai_batch`: names a request line's `model` may give besides the model's own (its
+    path, folder or file name); a line naming any other model is that line's error."""
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -113,6 +121,12 @@ class OutputConfig:
     """A `.parquet` file (rows in input order; its shards kept in `<path>.shards/` beside it) or a
     folder (a Parquet dataset of shards, rows in completion order: sort by `row_index` for input
     order); relative to the job file's folder."""
+    format: str = option("auto", one_of(*OUTPUT_FORMATS))
+    """`auto` (from the path: `.parquet`, `.jsonl`, or a folder without a suffix), `parquet`, `jsonl`, or
+    `openai_batch` (a `.jsonl` file of OpenAI batch result lines, for an `openai_batch` input)."""
+    errors_path: Path | None = option(None, or_null(non_empty_text))
+    """`format: openai_batch`: a `.jsonl` file for the lines that failed (OpenAI's error file); null:
+    they go with the results."""
     shard_size: int = option(256, int_at_least(1))
     """Rows per committed shard: the most a killed run can lose."""
     mode: str = option("resume", one_of("resume", "overwrite"))
@@ -163,7 +177,9 @@ class JobConfig:
         return _locate(self.job_path, self.key_lines, key, message)
 
     def column_keys(self) -> dict[str, list[str]]:
-        """Every column the job reads, keyed by the dotted key that names it."""
+        """Every column the job reads, keyed by the dotted key that names it (none of an OpenAI batch file)."""
+        if self.input.format == "openai_batch":
+            return {}
         columns = {"input.prompt_column": [self.input.prompt_column],
                    "input.carry_columns": list(self.input.carry_columns)}
         if self.input.id_column:
@@ -186,7 +202,8 @@ class JobConfig:
             "engine": dataclasses.asdict(self.engine),
             "input": {**dataclasses.asdict(self.input), "path": _str_or_none(self.input.path)},
             "sampling": {**dataclasses.asdict(self.sampling.params), "overrides": dict(self.sampling.overrides)},
-            "output": {**dataclasses.asdict(self.output), "path": _str_or_none(self.output.path)},
+            "output": {**dataclasses.asdict(self.output), "path": _str_or_none(self.output.path),
+                       "errors_path": _str_or_none(self.output.errors_path)},
             "executor": self.executor,
             "ray": dataclasses.asdict(self.ray),
         }
@@ -246,7 +263,19 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
         raise JobConfigError(f"{job_path}: not valid YAML: {error}") from None
     if not isinstance(raw, dict):
         raise JobConfigError(f"{job_path}: expected a mapping with keys {', '.join(TOP_KEYS)}")
-    _apply_overrides(raw, lines, overrides or {})
+    return _checked_job(job_path, raw, lines, overrides or {})
+
+
+def command_line_job(values: dict[str, Any], folder: Path) -> JobConfig:
+    """A job given whole on the command line (`batchgen run-batch`): `values` maps dotted keys to
+    values, checked as a job file's are (errors name them as the command line's); relative paths
+    resolve against `folder`."""
+    return _checked_job(folder / "command-line job", {}, {}, values)
+
+
+def _checked_job(job_path: Path, raw: dict, lines: dict[str, int], overrides: dict[str, Any]) -> JobConfig:
+    """The checked job of a raw mapping (and the lines of its keys) with `overrides` on top."""
+    _apply_overrides(raw, lines, overrides)
     locate = lambda key, message: _locate(job_path, lines, key, message)  # noqa: E731
     _refuse_unknown(locate, "", raw, TOP_KEYS)
     sections = {name: _section(locate, name, raw.get(name)) for name in SECTION_KEYS}
@@ -266,6 +295,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     _resolve_output(locate, config.output, job_path.parent)
     _refuse_output_over_input(locate, config)
     _check_task(locate, config, sections["sampling"])
+    _check_openai_batch(locate, config)
     if config.executor == "ray" and config.task == "score":
         raise locate("executor", "ray runs task: generate only; a score job runs on one machine (executor: local)")
     return config
@@ -376,9 +406,18 @@ def _resolve_output(locate: Callable, config: OutputConfig, job_dir: Path) -> No
         raise locate("output.path", "required: a .parquet or .jsonl file, or a folder for the shards")
     config.path = (job_dir / Path(config.path).expanduser()).resolve()
     try:
-        output_format_of(config.path)
+        named = output_format_of(config.path)
     except ValueError as error:
         raise locate("output.path", str(error)) from None
+    if config.format == "auto":
+        config.format = named or "parquet"
+    elif (named or "parquet") != {"openai_batch": "jsonl"}.get(config.format, config.format):
+        suffix = ".parquet file or a folder" if config.format == "parquet" else ".jsonl file"
+        raise locate("output.format", f"{config.format} output is a {suffix}; output.path is {config.path.name!r}")
+    if config.errors_path is not None:
+        if config.format != "openai_batch":
+            raise locate("output.errors_path", "only used with output.format: openai_batch")
+        config.errors_path = (job_dir / Path(config.errors_path).expanduser()).resolve()
 
 
 def _refuse_output_over_input(locate: Callable, config: JobConfig) -> None:
@@ -396,6 +435,21 @@ def _one_of(locate: Callable, key: str, value: Any, choices: tuple[str, ...]) ->
     if value not in choices:
         raise locate(key, f"expected one of: {', '.join(choices)}, got {value!r}")
     return value
+
+
+def _check_openai_batch(locate: Callable, config: JobConfig) -> None:
+    """An OpenAI batch file's lines hold each request whole: the keys that shape a table's rows do
+    not apply; results in OpenAI's format come only from such a file."""
+    is_batch_input = config.input.format == "openai_batch"
+    if config.output.format == "openai_batch" and not is_batch_input:
+        raise locate("output.format", "openai_batch results come from an openai_batch input (input.format)")
+    if not is_batch_input:
+        return
+    if config.task != "generate":
+        raise locate("task", "an openai_batch input runs task: generate")
+    for key in (*[f"input.{name}" for name in TABLE_INPUT_KEYS], "sampling.overrides"):
+        if key in config.key_lines:
+            raise locate(key, "not used with input.format: openai_batch (each request line says it)")
 
 
 def _check_task(locate: Callable, config: JobConfig, raw_sampling: dict) -> None:

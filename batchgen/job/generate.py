@@ -16,8 +16,8 @@ from typing import Any
 import pyarrow as pa
 import xxhash
 
-from batchgen.io.output_table import output_rows, output_schema, sampling_layout
-from batchgen.io.readers import InputRow, row_error
+from batchgen.io.output_table import PER_ROW_LAYOUT_FIELDS, output_rows, output_schema, sampling_layout
+from batchgen.io.input_rows import InputRow, row_error
 from batchgen.job.config import JobConfig
 from batchgen.job.plan_pass import PlannedRow
 from batchgen.outputs import RequestOutput
@@ -44,7 +44,8 @@ class GenerateTask:
 
     def __init__(self, config: JobConfig):
         self.job_params = config.sampling.params
-        self.layout = sampling_layout(self.job_params, set(config.sampling.overrides))
+        per_row = PER_ROW_LAYOUT_FIELDS if config.input.format == "openai_batch" else config.sampling.overrides
+        self.layout = sampling_layout(self.job_params, set(per_row))
 
     def output_schema(self, carried: list[pa.Field]) -> pa.Schema:
         return output_schema(carried, self.layout)

@@ -10,11 +10,15 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from batchgen.io.readers import InputRow, InputSource, iter_rows, open_source
+from batchgen import models
+
+from batchgen.io.input_rows import InputRow, InputSource
+from batchgen.io.readers import iter_rows, open_source
 from batchgen.io.row_set import RowSet
 from batchgen.job.config import JobConfig
 
@@ -22,7 +26,7 @@ from batchgen.job.config import JobConfig
 def open_input(config: JobConfig) -> InputSource:
     """The opened input, after checking every column the job names."""
     try:
-        source = open_source(config.input)
+        source = open_source(config.input, model_names(config))
     except ValueError as error:
         raise config.error("input.path", str(error)) from None
     for key, columns in config.column_keys().items():
@@ -31,6 +35,17 @@ def open_input(config: JobConfig) -> InputSource:
             raise config.error(key, f"no column {', '.join(map(repr, missing))} in the input; "
                                f"available columns: {', '.join(source.columns) or '(none)'}")
     return source
+
+
+def model_names(config: JobConfig) -> list[str]:
+    """What a request line may call the job's model: its path or id, its folder or file name, the
+    default model's names, and `input.served_model_names`."""
+    if config.model is None:
+        names = [models.DEFAULT_MODEL, *models.DEFAULT_MODEL_ALIASES]
+    else:
+        path = Path(config.model)
+        names = [config.model, path.name, path.stem]
+    return [*names, *config.input.served_model_names]
 
 
 def num_job_rows(source: InputSource, limit: int | None) -> int:

@@ -44,7 +44,9 @@ def open_writer(config: JobConfig, schema: pa.Schema) -> ShardWriter:
     description = job_description(config)
     try:
         return ShardWriter(config.output.path, fingerprint_job(description), config.output.shard_size, schema,
-                           config.output.mode, metadata, description)
+                           config.output.mode, metadata, description,
+                           file_format="openai_batch" if config.output.format == "openai_batch" else None,
+                           errors_path=config.output.errors_path)
     except ValueError as error:
         raise config.error("output.path", str(error)) from None
 

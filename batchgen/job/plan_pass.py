@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchgen.engine.request import Request
-from batchgen.io.readers import InputRow
+from batchgen.io.input_rows import InputRow
 from batchgen.io.row_store import RowStore
 from batchgen.job.prefetch import prefetched
 from batchgen.plan.radix_tree import PlanStats, PrefixGroup, RadixTree

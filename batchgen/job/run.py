@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from batchgen import models
-from batchgen.io.readers import InputRow
+from batchgen.io.input_rows import InputRow
 from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter
 from batchgen.job.config import JobConfig

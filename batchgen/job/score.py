@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.io.output_table import ScoredRow, score_rows, score_schema
-from batchgen.io.readers import InputRow, row_error
+from batchgen.io.input_rows import InputRow, row_error
 from batchgen.job.config import JobConfig
 from batchgen.job.plan_pass import PlannedRow
 from batchgen.llm import score_of

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from batchgen import SamplingParams
-from batchgen.io.readers import InputRow
+from batchgen.io.input_rows import InputRow
 from batchgen.io.output_table import OutputLayout, output_rows, output_schema, percentile, sampling_layout, timing_columns
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 

@@ -165,7 +165,7 @@ def test_unknown_input_suffix_asks_for_a_format(job_dir):
     (job_dir / "data" / "prompts.csv").write_text("question\nWhy?\n")
     message = load_error(job_dir, GOOD_JOB.replace("prompts.jsonl", "prompts.csv"))
     assert ":5: input.path: cannot tell the format of input" in message
-    assert "set input.format (one of: parquet, jsonl, hf_disk, hf_hub)" in message
+    assert "set input.format (one of: parquet, jsonl, hf_disk, hf_hub, openai_batch)" in message
 
 
 def test_folder_input_is_a_saved_hf_dataset(job_dir):
