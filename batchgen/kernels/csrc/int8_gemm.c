@@ -58,22 +58,29 @@ static inline __mmask16 column_mask(int64_t col, int64_t n) {
     return left >= BLOCK_COLUMNS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-/* One row's 16 columns from their exact int32 sums: scaled, bias added, rounded to bf16 and
- * stored; columns past n left alone. */
-static inline void store_block(uint16_t *out, __m512i sums, float x_scale, const float *w_scales,
-                               const uint16_t *bias, int64_t col, int64_t n) {
-    __mmask16 mask = column_mask(col, n);
-    __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scale), _mm512_maskz_loadu_ps(mask, w_scales + col));
-    __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
-    if (bias != 0) {
-        __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
-        value = _mm512_add_ps(value, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-    }
-    _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(value));
-}
+/* 16 output columns' weight scales and bias (0 without one) as float32, read once for all rows. */
+typedef struct {
+    __mmask16 mask;                       /* the columns before n */
+    __m512 w_scales, bias;
+} Columns;
 
 static inline __m512 bf16_to_float(const uint16_t *x, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x)), 16));
+}
+
+static inline Columns columns_at(const float *w_scales, const uint16_t *bias, int64_t col, int64_t n) {
+    __mmask16 mask = column_mask(col, n);
+    Columns columns = {mask, _mm512_maskz_loadu_ps(mask, w_scales + col),
+                       bias != 0 ? bf16_to_float(bias + col, mask) : _mm512_setzero_ps()};
+    return columns;
+}
+
+/* One row's 16 columns from their exact int32 sums: scaled, bias added (adding a bias of zeros
+ * changes no value), rounded to bf16 and stored; columns past n left alone. */
+static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Columns columns, int64_t col) {
+    __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_set1_ps(x_scale), columns.w_scales));
+    value = _mm512_add_ps(value, columns.bias);
+    _mm256_mask_storeu_epi16(out + col, columns.mask, (__m256i)_mm512_cvtneps_pbh(value));
 }
 
 static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, int64_t q_length, float *scale) {
@@ -154,13 +161,26 @@ static void block(const int8_t *q, int64_t k, int bottom, const int8_t *w, const
     }
 }
 
+/* One block's sums (`block`'s four tiles) scaled into out's rows [row, row + rows) and panel p's columns. */
+static void store_sums(const int32_t *sums, int rows, int64_t row, int64_t p, const float *x_scales,
+                       const float *w_scales, const uint16_t *bias, int64_t n, uint16_t *out) {
+    for (int half = 0; half < 2 && p * PANEL_COLUMNS + half * BLOCK_COLUMNS < n; half++) {
+        const int64_t col = p * PANEL_COLUMNS + half * BLOCK_COLUMNS;
+        const Columns columns = columns_at(w_scales, bias, col, n);
+        for (int r = 0; r < rows; r++) {
+            const int32_t *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16) + half * 256;
+            store_block(out + (row + r) * n, _mm512_load_si512(tile_row), x_scales[row + r], columns, col);
+        }
+    }
+}
+
 /* Rows [first_row, last_row) over panels [first, last), in blocks of `rows` (the tiles are
  * configured for it). The blocks of a panel ask for the next panel's weight into L2. */
 static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const int8_t *weight, const float *w_scales,
                      const uint16_t *bias, int64_t n, uint16_t *out, int64_t first, int64_t last, int64_t first_row,
                      int64_t last_row, int rows) {
     int32_t sums[4 * 256] __attribute__((aligned(64)));
-    int top = rows < 16 ? rows : 16, bottom = rows - top;
+    int bottom = rows - (rows < 16 ? rows : 16);
     const int64_t panel_bytes = k * PANEL_COLUMNS, next_lines = panel_bytes / LINE_BYTES;
     const int64_t blocks = (last_row - first_row + rows - 1) / rows;
     for (int64_t p = first; p < last; p++) {
@@ -170,12 +190,7 @@ static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const in
             int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
             block(q + row * k, k, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES, to - from,
                   sums);
-            for (int r = 0; r < rows; r++) {
-                const int32_t *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
-                for (int half = 0; half < 2 && p * PANEL_COLUMNS + half * BLOCK_COLUMNS < n; half++)
-                    store_block(out + (row + r) * n, _mm512_load_si512(tile_row + half * 256), x_scales[row + r],
-                                w_scales, bias, p * PANEL_COLUMNS + half * BLOCK_COLUMNS, n);
-            }
+            store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, out);
         }
     }
 }
@@ -230,10 +245,10 @@ static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, co
         }
     }
     for (int j = 0; j < PANEL_BLOCKS && col + j * BLOCK_COLUMNS < n; j++) {
-        __m512i offset = _mm512_loadu_si512(compensation + col + j * BLOCK_COLUMNS);
+        const __m512i offset = _mm512_loadu_si512(compensation + col + j * BLOCK_COLUMNS);
+        const Columns columns = columns_at(w_scales, bias, col + j * BLOCK_COLUMNS, n);
         for (int r = 0; r < rows; r++)
-            store_block(out + r * n, _mm512_sub_epi32(acc[r][j], offset), x_scales[r], w_scales, bias,
-                        col + j * BLOCK_COLUMNS, n);
+            store_block(out + r * n, _mm512_sub_epi32(acc[r][j], offset), x_scales[r], columns, col + j * BLOCK_COLUMNS);
     }
 }
 
