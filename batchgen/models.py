@@ -347,13 +347,40 @@ def _load_from_source(model: str | None, load):
     return quiet_load() if folder is not None else from_cache_or_hub(name, quiet_load)
 
 
+# rotary scalings whose angles depend on the longest sequence of a forward pass past the original
+# context: exact (the same for every batch) only within it
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+
+
 def max_context_len(text_config: transformers.PretrainedConfig) -> int:
-    """The model's context length; a sliding-window model is limited to its window (exact attention)."""
+    """The model's context length (a sliding window limits what a layer attends, not the context);
+    a rotary scaling that changes with the forward pass's length is exact only up to the original
+    context, its limit here."""
     length = getattr(text_config, "max_position_embeddings", None) or 2048
-    window = getattr(text_config, "sliding_window", None)
-    if window and getattr(text_config, "use_sliding_window", True):
-        length = min(length, window)
+    for rope in rope_parameters(text_config):
+        original = rope.get("original_max_position_embeddings") or getattr(
+            text_config, "original_max_position_embeddings", None)
+        if rope.get("rope_type", rope.get("type")) in LENGTH_DEPENDENT_ROPE_TYPES and original:
+            length = min(length, original)
     return length
+
+
+def refused_feature(text_config: transformers.PretrainedConfig) -> str | None:
+    """The feature of this config batchgen cannot compute exactly, named, or None. Attention
+    features a layer asks for at run time are checked by the engine's first step."""
+    attn_config = getattr(text_config, "attn_config", None)
+    if (getattr(text_config, "alibi", False) or text_config.model_type == "bloom"
+            or getattr(attn_config, "alibi", False)):
+        return "ALiBi position biases (the paged attention adds no bias to its scores)"
+    if getattr(text_config, "attention_chunk_size", None):
+        return "chunked local attention (attention_chunk_size)"
+    return None
+
+
+def rope_parameters(text_config: transformers.PretrainedConfig) -> list[dict]:
+    """The config's rotary parameters: one dict, or one per layer type (Gemma 3: local and global)."""
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    return list(rope.values()) if rope and all(isinstance(value, dict) for value in rope.values()) else [rope]
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

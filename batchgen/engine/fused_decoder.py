@@ -45,6 +45,8 @@ import torch.nn.functional as F
 
 from batchgen.kernels import cuda_decoder_ops, decoder_ops
 from batchgen.kernels.attention import AttentionMetadata, AttentionStep
+from batchgen.engine.model_check import check_attention
+from batchgen.kernels.attention_kernel import AttentionVariant
 from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
@@ -99,7 +101,7 @@ def is_supported(model, ops) -> bool:
 class FusedDecoder:
     """The model's forward over one packed step (see the module docstring)."""
 
-    def __init__(self, model, ops, quantization: str = "none"):
+    def __init__(self, model, ops, variants: list[AttentionVariant], quantization: str = "none"):
         decoder = model.model
         self.ops = ops
         self.embed_tokens = decoder.embed_tokens
@@ -114,20 +116,25 @@ class FusedDecoder:
         self.head_dim = attention.head_dim
         self.intermediate_size = model.config.intermediate_size
         self.scale = attention.scaling
+        self.variants = variants
         self.row_bucket = row_bucket([self.lm_head] + [weight for layer in self.layers
                                                         for weight in (layer.qkv, layer.o, layer.gate_up, layer.down)])
 
     @classmethod
-    def build(cls, model, quantization: str = "none") -> FusedDecoder | None:
+    def build(cls, model, quantization: str = "none",
+              variants: list[AttentionVariant] | None = None) -> FusedDecoder | None:
         """The fused step of `model`, or None where it does not apply; with a `quantization`
-        that cannot run, a `ValueError` saying why."""
+        that cannot run, a `ValueError` saying why. `variants`: each layer's attention as
+        `model_check.check_attention` reads it (read here when not given)."""
         ops = fused_ops(model.device)
         if quantization != "none" and not (is_supported(model, ops) and model.dtype in QUANTIZED_DTYPES):
             raise ValueError(f"quantization: {quantization} runs on the fused step of a Llama, Mistral or Qwen2 "
                              f"model in bfloat16 (or float16 on CUDA); this is a {model.config.model_type} model in "
                              f"{str(model.dtype).removeprefix('torch.')} on {model.device.type}")
         try:
-            return cls(model, ops, quantization) if is_supported(model, ops) else None
+            if not is_supported(model, ops):
+                return None
+            return cls(model, ops, check_attention(model) if variants is None else variants, quantization)
         except RuntimeError:  # oneDNN cannot pack this dtype on this CPU
             return None
 
@@ -158,7 +165,7 @@ class FusedDecoder:
                     metadata, kept_rows = tail.metadata, tail.logit_indices
                     rows, keys, values = rows.select(tail.rows, self), keys[tail.rows], values[tail.rows]
                 step.backend.forward(rows.heads[:rows.num_tokens], keys, values, k_cache, v_cache, metadata,
-                                     self.scale, rows.attended[:rows.num_tokens])
+                                     self.scale, rows.attended[:rows.num_tokens], self.variants[index])
             ops.add_rms_norm(rows.normed, rows.residual, packed_linear(rows.attended.flatten(1), layer.o),
                              layer.post_norm, self.eps)
             ops.silu_mul(rows.activated, packed_linear(rows.normed, layer.gate_up))

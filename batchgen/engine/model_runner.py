@@ -36,8 +36,9 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.step import ScheduledStep
+from batchgen.engine.model_check import check_attention
 from batchgen.models import kv_bytes_per_token, kv_cache_shape, max_context_len
-from batchgen.kernels.attention import AttentionMetadata, AttentionStep, make_backend, register
+from batchgen.kernels.attention import AttentionMetadata, AttentionStep, active_step, make_backend
 from batchgen.kernels.cpu_linear import PackedLinears
 from batchgen.kernels.shared_prefixes import prefix_groups
 
@@ -70,7 +71,8 @@ class ModelRunner:
         self.device = model.device
         self.block_size = config.block_size
         self.spec = KVCacheSpec.from_model(model)
-        self.fused = FusedDecoder.build(model, config.quantization) if config.fused_step else None
+        variants = check_attention(model)  # refuses what batchgen cannot run exactly
+        self.fused = FusedDecoder.build(model, config.quantization, variants) if config.fused_step else None
         self.num_blocks = self._num_blocks(config)
         self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
         is_graphed = config.cuda_graphs and self.device.type == "cuda" and self.backend.captures_decode
@@ -82,7 +84,6 @@ class ModelRunner:
         self.num_written_blocks = 0 if on_cpu else self.num_blocks  # see _write_new_blocks; device memory needs none
         if on_cpu and config.kv_cache_prefault:
             self._write_blocks(self.num_blocks)
-        model.set_attn_implementation(register())
         self.linears = PackedLinears.pack(model) if config.pack_linear_weights and self.fused is None else None
         self.graphs = self._decode_graphs(config.max_num_seqs) if is_graphed else None
 
@@ -143,13 +144,12 @@ class ModelRunner:
         if self.fused is not None:
             return self.fused.forward(input_ids, positions, attention_step, logit_indices)
         kept = 0 if logit_indices is None else torch.tensor(logit_indices, dtype=torch.long, device=self.device)
-        with self.linears or contextlib.nullcontext():
+        with self.linears or contextlib.nullcontext(), active_step(attention_step):
             output = self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
                 use_cache=False,
                 logits_to_keep=kept,
-                batchgen_step=attention_step,
             )
         return output.logits[0]
 

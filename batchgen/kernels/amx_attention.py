@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from batchgen.kernels.attention_kernel import C_ARGTYPES, PagedSeqs, run_c_kernel
+from batchgen.kernels.attention_kernel import C_ARGTYPES, FULL, AttentionVariant, PagedSeqs, run_c_kernel
 from batchgen.kernels.c_library import load_library
 
 HEAD_DIM = 64
@@ -40,20 +40,20 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
-                            scale: float, out: torch.Tensor) -> bool:
+                            scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Causal prefill attention; the chunks of a group attend their prefix together. Does not run
     where `supports` refuses q's dtype or head size, or for a tensor that is not contiguous."""
     library = _load_kernel()
     return run_c_kernel(library and library.bg_amx_prefill_attention, "amx paged_prefill_attention", q, k_cache,
-                        v_cache, seqs, scale, out)
+                        v_cache, seqs, scale, out, variant)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
-                           scale: float, out: torch.Tensor) -> bool:
+                           scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Decode attention, reading a group's prefix once for up to 64 query heads of its members
     per kv head (four column sets of 16). No K/V is copied: the pool's rows are the tiles'
     operands. Does not run where `supports` refuses q, for a block size not a multiple of 16,
     more than 16 query heads per kv head, or a tensor that is not contiguous."""
     library = _load_kernel()
     return run_c_kernel(library and library.bg_amx_decode_attention, "amx paged_decode_attention", q, k_cache,
-                        v_cache, seqs, scale, out)
+                        v_cache, seqs, scale, out, variant)

@@ -2,8 +2,12 @@
 
 The function registered with `transformers.AttentionInterface` under the name "batchgen"
 receives the layer's query/key/value after RoPE, for one flat packed batch of T tokens
-(batch dimension 1, no padding). The step's layout travels in the `batchgen_step` keyword
-argument that the model forwards to every attention call.
+(batch dimension 1, no padding). The step (pool, layout, backend) is the one `active_step`
+holds while the model runs: a context variable, so it reaches every layer whether or not a
+model's code forwards its keyword arguments. A layer's sliding window, logit soft-cap and sinks
+(the keywords transformers passes) become its `AttentionVariant`; a keyword batchgen does not
+compute, or a mask of the model's own (a position bias such as ALiBi), is refused
+(`UnsupportedAttention`), never ignored.
 
 Layout invariants (`AttentionMetadata`):
 - Tokens of one sequence are contiguous: sequence s owns rows
@@ -31,6 +35,10 @@ vector kernel's cascade where the AMX one does not apply.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -40,7 +48,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from batchgen.kernels import amx_attention, cpu_attention
-from batchgen.kernels.attention_kernel import AttentionKernel, PagedSeqs
+from batchgen.kernels.attention_kernel import FULL, AttentionKernel, AttentionVariant, PagedSeqs
 from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 from batchgen.kernels.shared_prefixes import prefix_groups
@@ -137,25 +145,59 @@ class AttentionBackend:
     captures_decode = False  # whether a decode-only forward reads only the metadata's device tensors
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                variant: AttentionVariant = FULL) -> None:
         """Write the attention of every query row of ``q`` ([T, H, D]) into ``out`` (same shape)."""
         raise NotImplementedError
 
 
-def attend_one_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last q.shape[0] positions over `keys`/`values` ([L, Hkv, D]), in float32."""
-    num_queries, num_heads, _ = q.shape
-    num_keys, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    qf = q.float().transpose(0, 1)  # [H, Q, D]
-    kf = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-    vf = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, L]
-    query_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)[:, None]
-    allowed = torch.arange(num_keys, device=q.device)[None, :] <= query_pos
+def variant_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                      scale: float, variant: AttentionVariant) -> torch.Tensor:
+    """[B, H, Q, D] attention of `queries` over `keys`/`values` ([B, Hkv, K, D]) where `allowed`
+    ([B, 1, Q, K] bool, the variant's window in it, every row with at least one key): SDPA for a
+    variant without soft-cap or sinks, else `eager_attention`."""
+    if variant.softcap == 0.0 and variant.sinks is None:
+        return F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
+                                              attn_mask=allowed, scale=scale, enable_gqa=True)
+    return eager_attention(queries, keys, values, allowed, scale, variant).to(queries.dtype)
+
+
+def eager_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                    scale: float, variant: AttentionVariant) -> torch.Tensor:
+    """`variant_attention`'s result in float32: scores, soft-cap, mask, sinks and softmax as
+    transformers' eager attention orders them."""
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(queries.float(), keys.transpose(-1, -2)) * scale
+    if variant.softcap:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [H, Q, D]
-    return out.transpose(0, 1).to(q.dtype)
+    if variant.sinks is not None:
+        sinks = variant.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values)
+
+
+def causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., Q, K] bool: key position at or before the query's, and within its `window` (0: any)."""
+    allowed = key_pos[..., None, :] <= query_pos[..., :, None]
+    if window:
+        allowed &= key_pos[..., None, :] > query_pos[..., :, None] - window
+    return allowed
+
+
+def attend_one_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        variant: AttentionVariant = FULL) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions over `keys`/`values` ([L, Hkv, D]), in float32."""
+    num_queries, num_keys = q.shape[0], keys.shape[0]
+    positions = torch.arange(num_keys, device=q.device)
+    allowed = causal_mask(positions[num_keys - num_queries:], positions, variant.window)
+    out = eager_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                          allowed[None, None], scale, variant)
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 class ReferenceBackend(AttentionBackend):
@@ -163,12 +205,12 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out, variant=FULL):
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
         for s, (start, end) in enumerate(zip(meta.query_start_loc[:-1], meta.query_start_loc[1:])):
             slots = context_slots(meta.block_tables_list[s], meta.context_lens_list[s], meta.block_size, q.device)
-            out[start:end] = attend_one_sequence(q[start:end], flat_k[slots], flat_v[slots], scale)
+            out[start:end] = attend_one_sequence(q[start:end], flat_k[slots], flat_v[slots], scale, variant)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -178,17 +220,68 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+_active_step: contextvars.ContextVar[AttentionStep | None] = contextvars.ContextVar("batchgen_step", default=None)
+# keywords that say nothing about what attention computes
+IGNORED_KEYWORDS = ("position_ids", "cache", "use_cache", "cache_position", "output_attentions", "output_hidden_states",
+                    "output_router_logits", "head_mask")
+
+
+class UnsupportedAttention(ValueError):
+    """A layer asks for attention batchgen does not compute (named in the message)."""
+
+
+@contextlib.contextmanager
+def active_step(step: AttentionStep) -> Iterator[None]:
+    """Every attention call of the model inside the block runs `step`."""
+    token = _active_step.set(step)
+    try:
+        yield
+    finally:
+        _active_step.reset(token)
+
+
+def layer_variant(module, attention_mask, dropout: float, kwargs: dict) -> AttentionVariant:
+    """The variant transformers asks of `module` with these arguments; `UnsupportedAttention`
+    naming what batchgen would otherwise ignore."""
+    if attention_mask is not None:
+        raise UnsupportedAttention(f"{type(module).__name__} passes an attention mask of its own (a position bias "
+                                   "such as ALiBi), which batchgen's paged attention does not apply")
+    if dropout or module.training:
+        raise UnsupportedAttention("attention dropout in training mode; put the model in eval mode")
+    if kwargs.get("is_causal", True) is False:
+        raise UnsupportedAttention(f"{type(module).__name__} asks for non-causal attention")
+    unknown = [name for name, value in kwargs.items()
+               if value is not None and name not in (*IGNORED_KEYWORDS, "sliding_window", "softcap", "s_aux",
+                                                     "is_causal")]
+    if unknown:
+        raise UnsupportedAttention(f"{type(module).__name__} passes {', '.join(sorted(unknown))} to its attention, "
+                                   "which batchgen does not compute")
+    sinks = kwargs.get("s_aux")
+    return AttentionVariant(window=kwargs.get("sliding_window") or 0, softcap=float(kwargs.get("softcap") or 0.0),
+                            sinks=None if sinks is None else sinks.detach().float())
+
+
+def unstepped_attention(module):
+    """The attention `module` runs outside a batchgen step: its family's eager attention where
+    transformers' SDPA does not compute every variant (soft-cap, sinks), else SDPA."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    needs_eager = getattr(module, "sinks", None) is not None or getattr(module, "attn_logit_softcapping", None)
+    return eager if eager is not None and needs_eager else sdpa_attention_forward
+
+
 def batchgen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function transformers calls in every attention layer (query: [1, H, T, D]).
 
     Outside a batchgen step (e.g. the same model used by `model.generate`) it defers to
-    transformers' SDPA attention, so a model handed to batchgen stays usable as before.
-    Inside one, its work shows in a torch profile as one `ATTENTION_SPAN` span per layer.
+    transformers' own attention (`unstepped_attention`), so a model handed to batchgen stays
+    usable as before. Inside one, its work shows in a torch profile as one `ATTENTION_SPAN` span
+    per layer.
     """
-    step: AttentionStep | None = kwargs.pop("batchgen_step", None)
+    step = _active_step.get()
     if step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+        return unstepped_attention(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                           dropout=dropout, **kwargs)
+    variant = layer_variant(module, attention_mask, dropout, kwargs)
     with profiler_span(ATTENTION_SPAN):
         layer = module.layer_idx
         q = query[0].transpose(0, 1)
@@ -198,7 +291,7 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
         write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         out = torch.empty_like(q)
-        step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale, out)
+        step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale, out, variant)
     return out.unsqueeze(0), None
 
 
@@ -236,34 +329,35 @@ class NativeBackend(AttentionBackend):
         self.shares_prefixes = shares_prefixes
         self.captures_decode = captures_decode
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out, variant=FULL):
         q = q.contiguous()  # transformers' forward hands over q as a [H, T, D] transpose
         result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         num_decode = meta.num_decode_seqs
         if num_decode:
-            self.attend_decode(q[:num_decode], k_cache, v_cache, meta.decode_seqs, scale, result[:num_decode])
+            self.attend_decode(q[:num_decode], k_cache, v_cache, meta.decode_seqs, scale, result[:num_decode], variant)
         if num_decode < len(meta.query_lens) and (self.prefill is None or not self.prefill(
-                q, k_cache, v_cache, meta.prefill_seqs, scale, result)):
-            attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result)
+                q, k_cache, v_cache, meta.prefill_seqs, scale, result, variant)):
+            attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result, variant)
         if result is not out:
             out.copy_(result)
 
-    def attend_decode(self, q, k_cache, v_cache, seqs, scale, out) -> None:
-        if self.decode(q, k_cache, v_cache, seqs, scale, out):
-            return
-        if self.decode_fallback is None or not self.decode_fallback(q, k_cache, v_cache, seqs, scale, out):
-            raise RuntimeError(f"no decode kernel of this backend runs a {q.dtype} step of head_dim {q.shape[-1]} "
-                               f"over a pool of shape {tuple(k_cache.shape)}")
+    def attend_decode(self, q, k_cache, v_cache, seqs, scale, out, variant) -> None:
+        """The decode rows through the first kernel that runs them: `decode`, `decode_fallback`,
+        else `gather_decode` (which runs every layout and variant)."""
+        for kernel in (self.decode, self.decode_fallback, gather_decode):
+            if kernel is not None and kernel(q, k_cache, v_cache, seqs, scale, out, variant):
+                return
 
 
-def attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Every prefill chunk of the step through SDPA: the short ones in one padded call, the others
-    one by one (a chunk with no cached context over its own new K/V)."""
+def attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                        variant: AttentionVariant = FULL) -> None:
+    """Every prefill chunk of the step through SDPA (`variant_attention`): the short ones in one
+    padded call, the others one by one (a chunk with no cached context over its own new K/V)."""
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     batch = meta.short_prefill
     if batch is not None:
-        attend_prefill_batch(q, flat_k, flat_v, batch, scale, out)
+        attend_prefill_batch(q, flat_k, flat_v, batch, scale, out, variant)
     done = set(batch.seqs if batch else ())
     for s in range(meta.num_decode_seqs, len(meta.query_lens)):
         if s in done:
@@ -275,48 +369,49 @@ def attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scal
         else:
             slots = context_slots(meta.block_tables_list[s], num_context, meta.block_size, q.device)
             keys, values = flat_k[slots], flat_v[slots]
-        out[start:end] = prefill_sdpa(q[start:end], keys, values, scale)
+        out[start:end] = prefill_sdpa(q[start:end], keys, values, scale, variant)
 
 
 def attend_prefill_batch(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, batch: PrefillBatch,
-                         scale: float, out: torch.Tensor) -> None:
-    """Causal attention of every chunk of `batch` over its cached context, in one SDPA call, into `out`."""
-    keys = flat_k[batch.slots].to(q.dtype).transpose(1, 2)  # [P, Hkv, Cm, D]
-    values = flat_v[batch.slots].to(q.dtype).transpose(1, 2)
+                         scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> None:
+    """Causal attention of every chunk of `batch` over its cached context, in one call, into `out`."""
+    keys = flat_k[batch.slots].transpose(1, 2)  # [P, Hkv, Cm, D]
+    values = flat_v[batch.slots].transpose(1, 2)
     queries = q[batch.rows].transpose(1, 2)  # [P, H, Qm, D]
-    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=scale,
-                                              enable_gqa=True).transpose(1, 2)  # [P, Qm, H, D]
+    attended = variant_attention(queries, keys, values, batch.allowed(variant.window), scale,
+                                 variant).transpose(1, 2)  # [P, Qm, H, D]
     out[batch.rows[batch.is_real]] = attended[batch.is_real]
 
 
-def prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal SDPA of the last q.shape[0] positions over keys/values ([L, Hkv, D])."""
+def prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                 variant: AttentionVariant = FULL) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions over keys/values ([L, Hkv, D])."""
     num_queries, num_keys = q.shape[0], keys.shape[0]
-    mask = None
-    if num_queries != num_keys:
-        query_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)[:, None]
-        mask = torch.arange(num_keys, device=q.device)[None, :] <= query_pos
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.to(q.dtype).transpose(0, 1)[None],
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-    )
+    queries, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    if variant.is_full and num_queries == num_keys:
+        out = F.scaled_dot_product_attention(queries, keys, values.to(q.dtype), is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        positions = torch.arange(num_keys, device=q.device)
+        allowed = causal_mask(positions[num_keys - num_queries:], positions, variant.window)
+        out = variant_attention(queries, keys, values, allowed[None, None], scale, variant)
     return out[0].transpose(0, 1)
 
 
 def gather_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs, scale: float,
-                  out: torch.Tensor) -> bool:
+                  out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Portable decode (`attention_kernel`'s contract): gathers each row's K/V (a copy) then one
-    masked SDPA call; it runs everything and ignores groups."""
+    masked call of `variant_attention`; it runs everything and ignores groups."""
     block_size, context_lens = k_cache.shape[1], seqs.context_lens
     positions = torch.arange(int(context_lens.max()), device=q.device)
     slots = padded_context_slots(seqs.block_tables, context_lens, len(positions), block_size)  # [S, L]
     keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, Hkv, D]
     values = v_cache.view(-1, *v_cache.shape[2:])[slots]
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-    attended = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=True,
-    )
+    allowed = positions[None, :] < context_lens[:, None]
+    if variant.window:
+        allowed &= positions[None, :] >= context_lens[:, None] - variant.window
+    attended = variant_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                 allowed[:, None, None, :], scale, variant)
     out.copy_(attended[:, :, 0, :])
     return True
 

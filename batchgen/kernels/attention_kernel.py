@@ -2,12 +2,13 @@
 shared-prefix cascade) or prefill, on every backend (C portable / AVX, AMX, Triton, torch), is
 called as
 
-    kernel(q, k_cache, v_cache, seqs, scale, out) -> bool
+    kernel(q, k_cache, v_cache, seqs, scale, out, variant=FULL) -> bool
 
-with the step's sequences described once, by `PagedSeqs`. It writes the attention of every query
-row of `seqs` into `out` and returns True, or returns False having written nothing where it does
-not run these tensors (not built or not available here; a dtype, head size, block size or layout
-it has no code for): its caller then runs another path. Inputs that break the contract raise
+with the step's sequences described once, by `PagedSeqs`, and the layer's `AttentionVariant`
+(sliding window, logit soft-cap, sinks). It writes the attention of every query row of `seqs`
+into `out` and returns True, or returns False having written nothing where it does not run these
+tensors (not built or not available here; a dtype, head size, block size, layout or variant it
+has no code for): its caller then runs another path. Inputs that break the contract raise
 ValueError (`check_inputs`, or the kernel's status: `kernel_status`).
 
 Tensors: q and out [rows, num_heads, head_dim], one float dtype (float32, bfloat16, float16);
@@ -31,6 +32,34 @@ from batchgen.kernels.kernel_status import check_status
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # attention_kernel.h's DTYPE_*
 C_ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """What one layer's attention computes beyond causal softmax(scale * q.k) v.
+
+    - `window` > 0: a query at position p attends only positions p - window + 1 .. p (its own
+      included), as transformers' sliding-window mask; 0 attends every earlier position.
+    - `softcap` > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
+    - `sinks` (float32 [num_heads]): one more logit per query head in the softmax's denominator
+      that no value goes with (gpt-oss' attention sinks).
+    """
+
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def is_full(self) -> bool:
+        """Plain causal attention over every earlier position."""
+        return self.window == 0 and self.softcap == 0.0 and self.sinks is None
+
+    def covers(self, num_positions: int) -> bool:
+        """Whether a window of this variant holds `num_positions` positions (no position masked by it)."""
+        return self.window == 0 or num_positions <= self.window
+
+
+FULL = AttentionVariant()
 
 
 @dataclass(frozen=True)
@@ -69,7 +98,7 @@ class PagedSeqs:
                 if t is not None]
 
 
-AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedSeqs, float, torch.Tensor], bool]
+AttentionKernel = Callable[..., bool]  # (q, k_cache, v_cache, seqs, scale, out, variant=FULL) -> bool
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
@@ -122,10 +151,11 @@ def c_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
 
 
 def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, seqs: PagedSeqs, scale: float, out: torch.Tensor) -> bool:
+                 v_cache: torch.Tensor, seqs: PagedSeqs, scale: float, out: torch.Tensor,
+                 variant: AttentionVariant = FULL) -> bool:
     """A call of the C kernel `entry` (None: not built here) under the contract: the inputs
     checked; False where a tensor is not a contiguous CPU tensor or the kernel does not run them."""
-    if entry is None:
+    if entry is None or not variant.is_full:
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
     if not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors())):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.attention_kernel import C_ARGTYPES, DTYPE_CODES, PagedSeqs, run_c_kernel
+from batchgen.kernels.attention_kernel import C_ARGTYPES, DTYPE_CODES, FULL, AttentionVariant, PagedSeqs, run_c_kernel
 from batchgen.kernels.c_library import load_library
 
 
@@ -60,13 +60,14 @@ def is_available() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
-                           scale: float, out: torch.Tensor) -> bool:
+                           scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Decode attention under `attention_kernel`'s contract: every dtype (float16 where the
     compiler has ``_Float16``) and head size; a group's prefix is read once for up to 16 of its
     members (cascade). Does not run without a build here, for float16 on a build without it, or
     for a tensor that is not contiguous."""
     kernel = _load_kernel()
-    return run_c_kernel(kernel and kernel.decode, "paged_decode_attention", q, k_cache, v_cache, seqs, scale, out)
+    return run_c_kernel(kernel and kernel.decode, "paged_decode_attention", q, k_cache, v_cache, seqs, scale, out,
+                        variant)
 
 
 def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
@@ -87,9 +88,10 @@ def prefill_is_preferred(dtype: torch.dtype) -> bool:
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
-                            scale: float, out: torch.Tensor) -> bool:
+                            scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Causal prefill attention under `attention_kernel`'s contract, each chunk over its whole
     context (it ignores `seqs.groups`). Does not run where `prefill_supported` refuses q's dtype
     and head size, or for a tensor that is not contiguous."""
     kernel = _load_kernel()
-    return run_c_kernel(kernel and kernel.prefill, "paged_prefill_attention", q, k_cache, v_cache, seqs, scale, out)
+    return run_c_kernel(kernel and kernel.prefill, "paged_prefill_attention", q, k_cache, v_cache, seqs, scale, out,
+                        variant)

@@ -51,7 +51,7 @@ import math
 
 import torch
 
-from batchgen.kernels.attention_kernel import PagedSeqs, check_inputs
+from batchgen.kernels.attention_kernel import FULL, AttentionVariant, PagedSeqs, check_inputs
 
 try:
     import triton
@@ -267,13 +267,13 @@ def _runs_on(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
-                           scale: float, out: torch.Tensor) -> bool:
+                           scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Decode attention under `attention_kernel`'s contract. A group's prefix is read once for all
     its members (cascade attention): each member attends its own tokens from prefix_tokens on,
     and the two parts are merged; group rows with first == end are empty (a CUDA graph's
     fixed-size group buffer). Does not run without Triton or on a layout `_runs_on` refuses.
     """
-    if triton is None:
+    if triton is None or not variant.is_full:
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
     if not _runs_on(q, k_cache, v_cache, seqs, out):

@@ -24,6 +24,14 @@ class PrefillBatch:
     is_real: torch.Tensor  # [P, Qm] bool: the query is not padding
     slots: torch.Tensor  # [P, Cm] cache slot of each context position (padding: the last one's, masked)
     mask: torch.Tensor  # [P, 1, Qm, Cm] bool: the key is in the context and at or before the query
+    query_pos: torch.Tensor  # [P, Qm] position of each query
+
+    def allowed(self, window: int) -> torch.Tensor:
+        """`mask` with keys also within each query's last `window` positions (0: `mask` itself)."""
+        if not window:
+            return self.mask
+        positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
+        return self.mask & (positions > self.query_pos[:, None, :, None] - window)
 
 
 def padded_context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, width: int,
@@ -58,4 +66,5 @@ def padded_chunks(meta, seqs: list[int]) -> PrefillBatch:
     slots = padded_context_slots(meta.block_tables[seqs].cpu(), context_lens, width, meta.block_size)
     query_pos = (context_lens - query_lens)[:, None] + query_index[None]  # [P, Qm]
     mask = (positions[None, None] <= query_pos[:, :, None]) & (positions[None, None] < context_lens[:, None, None])
-    return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device))
+    return PrefillBatch(seqs, rows.to(device), is_real.to(device), slots.to(device), mask[:, None].to(device),
+                        query_pos.to(device))

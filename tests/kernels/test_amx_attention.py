@@ -307,10 +307,10 @@ def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend
     groups_seen = []
 
     def recording(kernel):
-        def record(q, k_cache, v_cache, seqs, scale, out):
+        def record(q, k_cache, v_cache, seqs, scale, out, variant):
             groups = [] if seqs.groups is None else seqs.groups.tolist()
             groups_seen.extend((kernel.__name__, group) for group in groups)
-            return kernel(q, k_cache, v_cache, seqs, scale, out)
+            return kernel(q, k_cache, v_cache, seqs, scale, out, variant)
         return record
 
     for kernel in (amx_attention.paged_prefill_attention, amx_attention.paged_decode_attention):
