@@ -1,4 +1,5 @@
-"""The job's input: opened and checked (every column the job names), then read in batches of rows.
+"""The job's input: opened and checked (every column the job names), then read in batches of rows,
+and the tokenizer and limits its prompts are planned with (from the model's config alone).
 
 Invariants:
 - `open_input` raises ``JobConfigError`` (naming the key) for an input that cannot be read or
@@ -21,6 +22,7 @@ from batchgen.io.input_rows import InputRow, InputSource
 from batchgen.io.readers import iter_rows, open_source
 from batchgen.io.row_set import RowSet
 from batchgen.job.config import JobConfig
+from batchgen.plan.requests import PlanLimits
 
 
 def open_input(config: JobConfig) -> InputSource:
@@ -46,6 +48,17 @@ def model_names(config: JobConfig) -> list[str]:
         path = Path(config.model)
         names = [config.model, path.name, path.stem]
     return [*names, *config.input.served_model_names]
+
+
+def tokenizer_and_limits(config: JobConfig) -> tuple[Any, PlanLimits]:
+    """The job's tokenizer and the limits a prompt must fit, from the tokenizer and model config
+    alone (no weights)."""
+    try:
+        tokenizer, model_config = models.load_tokenizer_and_config(config.model)
+    except ValueError as error:
+        raise config.error("model", str(error)) from None
+    text_config = model_config.get_text_config()
+    return tokenizer, PlanLimits(config.engine.block_size, models.max_context_len(text_config), text_config.vocab_size)
 
 
 def num_job_rows(source: InputSource, limit: int | None) -> int:

@@ -40,13 +40,13 @@ import pyarrow.compute as pc
 import xxhash
 from tqdm.auto import tqdm
 
-from batchgen import models
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.request import Request
 from batchgen.engine.stats import TokenCounts
 from batchgen.io.output_table import ROW_INDEX, WORKER, OutputLayout, sample_fields, sample_values, with_worker
 from batchgen.io.writer import ShardWriter
 from batchgen.job.config import JobConfig
+from batchgen.job.inputs import tokenizer_and_limits
 from batchgen.job.output import count_rows
 from batchgen.job.plan_pass import JobPlan
 from batchgen.job.reports import PartitionReport
@@ -76,17 +76,6 @@ def import_ray(config: JobConfig) -> Any:
     except ImportError:
         raise config.error("executor", INSTALL_HINT) from None
     return ray
-
-
-def tokenizer_and_limits(config: JobConfig) -> tuple[Any, PlanLimits]:
-    """The job's tokenizer and the limits a prompt must fit, from the tokenizer and model config
-    alone (no weights)."""
-    try:
-        tokenizer, model_config = models.load_tokenizer_and_config(config.model)
-    except ValueError as error:
-        raise config.error("model", str(error)) from None
-    text_config = model_config.get_text_config()
-    return tokenizer, PlanLimits(config.engine.block_size, models.max_context_len(text_config), text_config.vocab_size)
 
 
 def num_partitions(config: JobConfig, num_rows: int) -> int:

@@ -36,11 +36,11 @@ from batchgen.io.row_store import RowStore
 from batchgen.io.writer import ShardWriter
 from batchgen.job.config import JobConfig
 from batchgen.job.generate import GenerateTask
-from batchgen.job.inputs import chat_template_note, num_job_rows, open_input, row_batches
+from batchgen.job.inputs import chat_template_note, num_job_rows, open_input, row_batches, tokenizer_and_limits
 from batchgen.job.local import LocalExecutor
 from batchgen.job.output import open_writer, summary_path, write_rows
 from batchgen.job.plan_pass import JobPlan, plan_job_rows
-from batchgen.job.ray import RayExecutor, tokenizer_and_limits
+from batchgen.job.ray import RayExecutor
 from batchgen.job.reports import JobSummary, PlanReport, PrefixGroupReport, snippet
 from batchgen.job.score import ScoreTask
 
