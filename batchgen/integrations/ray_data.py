@@ -14,7 +14,7 @@
 prefix group in one batch compute their shared prefix once. `add_prefix_group_key` keys each
 row by the chained hash of its leading KV blocks (the hash the engine's prefix cache uses), so
 grouping or sorting by the key brings rows that share a prefix together. A job run with
-``batchgen run --executor ray`` plans with the whole dataset's radix tree instead (`ray_job`).
+``batchgen run --executor ray`` plans with the whole dataset's radix tree instead (`batchgen.job.ray`).
 
 Invariants:
 - `Generate` returns every input column but `drop_columns`, one row per sample (the input

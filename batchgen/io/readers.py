@@ -201,7 +201,7 @@ def iter_rows(source: InputSource, spec: Any, limit: int | None = None, override
     """The first `limit` rows (all when None) in input order, one InputRow each, `batch_rows` at a
     time, their prompts shaped for a model with or without a chat template (`shape_prompt`).
 
-    The columns the spec and `overrides` name are assumed present (the pipeline checks them).
+    The columns the spec and `overrides` name are assumed present (the job checks them).
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
