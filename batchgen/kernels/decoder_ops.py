@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -18,9 +19,12 @@ from batchgen.kernels.c_library import load_library
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 DTYPES = tuple(DTYPE_CODES)  # the dtypes these ops take (as `cuda_decoder_ops.DTYPES`)
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+NORM_KINDS = {"rms_scaled": 0, "layer": 1}  # add_norm's kinds (decoder_ops.c's NORM_*)
+QK_NORM_KINDS = {"rms": 0, "rms_scaled": 1}  # rope_write_kv's (QK_NORM_*)
 _SIGNATURES = {
     "bg_add_rms_norm": [_POINTER] * 4 + [_INT, _INT, _FLOAT, _INT, _INT],
-    "bg_rope_write_kv": [_POINTER] * 8 + [_INT] * 6,
+    "bg_add_norm": [_POINTER] * 5 + [_INT, _INT, _FLOAT, _INT, _INT, _INT],
+    "bg_rope_write_kv": [_POINTER] * 8 + [_INT] * 5 + [_POINTER] * 2 + [_INT, _INT, _FLOAT, _INT, _INT],
     "bg_silu_mul": [_POINTER] * 2 + [_INT] * 4,
 }
 
@@ -60,16 +64,45 @@ def add_rms_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | No
                                torch.get_num_threads())
 
 
+def add_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+             bias: torch.Tensor | None, eps: float, kind: str) -> None:
+    """``residual += x`` (when ``x`` is given), then ``out`` = the norm of ``residual`` with the
+    float32 ``weight`` (and ``bias``) applied before its one rounding: ``"rms_scaled"`` (Gemma's
+    RMSNorm with (1 + w) given, OLMo 2's) or ``"layer"`` (LayerNorm); ``out`` may be ``residual``."""
+    hidden = weight.numel()
+    _library().bg_add_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(), _pointer(bias),
+                           residual.numel() // hidden, hidden, eps, NORM_KINDS[kind], DTYPE_CODES[residual.dtype],
+                           torch.get_num_threads())
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """RMSNorms of q and k before their rotation: float32 weights over one head (`per_head`) or
+    over all of q's heads and all of k's; `kind` "rms" (Llama's rounding) or "rms_scaled"."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    per_head: bool
+    kind: str
+    eps: float
+
+
 def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rotary embeddings for the first ``len(slots)`` rows of a fused q|k|v projection: rotated
-    q into ``q_out`` [T, H, D], rotated k into ``k_out`` [T, Hkv, D], and k, v stored at their
-    slots of the pool ([num_blocks, block_size, Hkv, D]); ``cos``/``sin`` are [T, D]."""
+                  qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  qk_norm: QKNorm | None = None) -> None:
+    """Rotary embeddings for the first ``len(slots)`` rows of a fused q|k|v projection, after
+    ``qk_norm`` (when given): rotated q into ``q_out`` [T, H, D], rotated k into ``k_out``
+    [T, Hkv, D], and k, v stored at their slots of the pool ([num_blocks, block_size, Hkv, D]);
+    ``cos``/``sin`` are [T, R]: the first R dims of each head rotate (R < D: partial rotary; an
+    empty ``cos``: none)."""
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
+    rotary_dim = cos.shape[-1] if cos.numel() else 0
+    norm = qk_norm or QKNorm(None, None, True, "rms", 0.0)
     _library().bg_rope_write_kv(q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                 qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), len(slots),
-                                num_heads, k_cache.shape[2], head_dim, DTYPE_CODES[qkv.dtype],
-                                torch.get_num_threads())
+                                num_heads, k_cache.shape[2], head_dim, rotary_dim, _pointer(norm.q_weight),
+                                _pointer(norm.k_weight), head_dim if norm.per_head else 0, QK_NORM_KINDS[norm.kind],
+                                norm.eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads())
 
 
 def silu_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:

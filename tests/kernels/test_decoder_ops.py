@@ -19,7 +19,10 @@ from typing import NamedTuple
 import pytest
 import torch
 from transformers.activations import ACT2FN
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from batchgen.kernels import cuda_decoder_ops, decoder_ops
 
@@ -117,6 +120,83 @@ def test_rope_write_kv_equals_apply_rotary_pos_emb_and_stores_k_v_at_their_slots
     untouched = torch.ones(len(flat_k), dtype=torch.bool, device=device)
     untouched[slots] = False
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def c_ops_only(ops: Ops) -> None:
+    if ops.module is not decoder_ops:
+        pytest.skip("the C ops alone compute the other families' norms, partial rotary and qk-norms")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 300])
+@pytest.mark.parametrize("family", ["gemma", "olmo2", "layer"])
+def test_add_norm_equals_residual_add_then_the_family_norm(ops, dtype, num_rows, family):
+    c_ops_only(ops)
+    hidden = 576
+    module = {"gemma": lambda: Gemma3RMSNorm(hidden, eps=1e-6), "olmo2": lambda: Olmo2RMSNorm(hidden, eps=1e-6),
+              "layer": lambda: torch.nn.LayerNorm(hidden, eps=1e-5)}[family]().to(dtype)
+    module.weight.data = randn(hidden, dtype=dtype, seed=1)
+    if family == "layer":
+        module.bias.data = randn(hidden, dtype=dtype, seed=7)
+    weight = module.weight.data.float() + (1.0 if family == "gemma" else 0.0)
+    bias = module.bias.data.float() if family == "layer" else None
+    residual, x = randn(num_rows, hidden, dtype=dtype, seed=2), randn(num_rows, hidden, dtype=dtype, seed=3)
+    expected_residual = residual + x
+    out = torch.full_like(residual, float("nan"))
+    kind = "layer" if family == "layer" else "rms_scaled"
+    eps = 1e-5 if family == "layer" else 1e-6
+    decoder_ops.add_norm(out, residual, x, weight, bias, eps, kind)
+    assert torch.equal(residual, expected_residual)
+    with torch.no_grad():
+        assert_close(out, module(expected_residual))
+    decoder_ops.add_norm(residual, residual, None, weight, bias, eps, kind)  # in place
+    with torch.no_grad():
+        assert_close(residual, module(expected_residual))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "olmo2", "partial"])
+def test_rope_write_kv_applies_qk_norms_and_partial_rotary_as_transformers(ops, dtype, family):
+    c_ops_only(ops)
+    num_tokens, num_heads, num_kv_heads, head_dim = 7, 4, 2, 64
+    rotary_dim = 16 if family == "partial" else head_dim
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=4)
+    angles = randn(num_tokens, rotary_dim // 2, dtype=torch.float32, seed=5)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    width = head_dim if family != "olmo2" else None
+    norm_class = {"qwen3": Qwen3RMSNorm, "gemma3": Gemma3RMSNorm, "olmo2": Olmo2RMSNorm}.get(family)
+    qk_norm = q_norm = k_norm = None
+    if norm_class is not None:
+        q_norm = norm_class(width or num_heads * head_dim, eps=1e-6).to(dtype)
+        k_norm = norm_class(width or num_kv_heads * head_dim, eps=1e-6).to(dtype)
+        q_norm.weight.data, k_norm.weight.data = (randn(len(m.weight), dtype=dtype, seed=8 + i).div(3)
+                                                  for i, m in enumerate((q_norm, k_norm)))
+        offset = 1.0 if family == "gemma3" else 0.0
+        qk_norm = decoder_ops.QKNorm(q_norm.weight.data.float() + offset, k_norm.weight.data.float() + offset,
+                                     per_head=width is not None, kind="rms" if family == "qwen3" else "rms_scaled",
+                                     eps=1e-6)
+    k_cache = torch.zeros(4, 16, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(num_tokens) * 3
+    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
+    k_out = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    decoder_ops.rope_write_kv(q_out, k_out, k_cache, v_cache, qkv, cos, sin, slots, qk_norm)
+
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    with torch.no_grad():
+        if family == "olmo2":
+            q, k = q_norm(q), k_norm(k)
+        q, k = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+        if width is not None and norm_class is not None:
+            q, k = q_norm(q), k_norm(k)
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :rotary_dim].transpose(0, 1)[None], k[..., :rotary_dim].transpose(0, 1)[None],
+                                        cos[None], sin[None])
+    expected_q = torch.cat([q_rot[0].transpose(0, 1), q[..., rotary_dim:]], -1)
+    expected_k = torch.cat([k_rot[0].transpose(0, 1), k[..., rotary_dim:]], -1)
+    assert_close(q_out, expected_q)
+    assert_close(k_out, expected_k)
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[slots], k_out)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[slots], v.reshape(num_tokens, num_kv_heads, head_dim))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,8 +8,11 @@
  * rounds the same intermediates.
  *
  *   bg_add_rms_norm  residual += x (when x is given), then out = weight * rmsnorm(residual)
- *   bg_rope_write_kv q/k of a fused qkv row get rotary embeddings; q and k are written out,
- *                    k and v are stored at their slots of the paged K/V pool
+ *   bg_add_norm      the same with a float32 weight applied before the one rounding (Gemma's
+ *                    (1 + w), OLMo 2's RMSNorm) or a LayerNorm (mean removed, float32 weight and bias)
+ *   bg_rope_write_kv q/k of a fused qkv row get optional RMSNorms (per head or over all heads)
+ *                    and rotary embeddings on their first rotary_dim dims (0: none); q and k are
+ *                    written out, k and v are stored at their slots of the paged K/V pool
  *   bg_silu_mul      out = silu(gate) * up for a fused gate|up row
  *
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
@@ -31,6 +34,8 @@
 #include "vector_math.h"
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+enum { NORM_RMS_SCALED = 0, NORM_LAYER = 1 };      /* bg_add_norm's kinds */
+enum { QK_NORM_RMS = 0, QK_NORM_RMS_SCALED = 1 };  /* bg_rope_write_kv's: Llama's rounding, or one rounding */
 
 #define MIN_PARALLEL_ELEMENTS 8192
 
@@ -217,40 +222,116 @@ void bg_add_rms_norm(void *out, void *residual, const void *x, const void *weigh
     }
 }
 
-/* x * cos + rotate_half(x) * sin for one head (rotate_half(x) = [-x2, x1]), each product
- * rounded to dtype as transformers' tensor ops round them. */
-static inline void rotate_head(float *restrict dst, const float *restrict x, const float *restrict cos,
-                               const float *restrict sin, int head_dim, int is_bf16) {
-    int half = head_dim / 2;
-    for (int i = 0; i < half; i++)
-        dst[i] = round_to(x[i] * cos[i], is_bf16) + round_to(-x[i + half] * sin[i], is_bf16);
-    for (int i = half; i < head_dim; i++)
-        dst[i] = round_to(x[i] * cos[i], is_bf16) + round_to(x[i - half] * sin[i], is_bf16);
+/* residual_row += x_row (rounded to dtype) when x_row is not NULL; then out = round(w * c * inv + b)
+ * in float32, where c = residual - mean (NORM_LAYER) or residual (NORM_RMS_SCALED), and
+ * inv = 1 / sqrt(mean(c^2) + eps); b is 0 when NULL. `out` may be the residual row. */
+static void add_norm_row(void *out, void *res_row, const void *x_row, const float *w, const float *b, int hidden,
+                         float eps, int kind, int is_bf16) {
+    float sum_buf[hidden], add_buf[hidden], out_buf[hidden];
+    const float *res = as_float(res_row, sum_buf, hidden, is_bf16);
+    if (x_row) {
+        const float *add = as_float(x_row, add_buf, hidden, is_bf16);
+        for (int i = 0; i < hidden; i++) sum_buf[i] = round_to(res[i] + add[i], is_bf16);
+        store_row(res_row, sum_buf, hidden, is_bf16);
+        res = sum_buf;
+    }
+    float mean = 0.0f;
+    if (kind == NORM_LAYER) {
+#pragma omp simd reduction(+ : mean)
+        for (int i = 0; i < hidden; i++) mean += res[i];
+        mean /= (float)hidden;
+    }
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int i = 0; i < hidden; i++) squares += (res[i] - mean) * (res[i] - mean);
+    float inverse = 1.0f / sqrtf(squares / (float)hidden + eps);
+    for (int i = 0; i < hidden; i++) out_buf[i] = w[i] * ((res[i] - mean) * inverse) + (b ? b[i] : 0.0f);
+    store_row(out, out_buf, hidden, is_bf16);
 }
 
-/* rotate_head for the q and k heads of one qkv row, into q_row and k_row. */
+/* add_norm_row for every row; weight and bias (or NULL) are float32. */
+void bg_add_norm(void *out, void *residual, const void *x, const float *weight, const float *bias, int num_rows,
+                 int hidden, float eps, int kind, int dtype, int num_threads) {
+    int is_bf16 = dtype == DTYPE_BF16;
+    int is_parallel = num_threads > 1 && (int64_t)num_rows * hidden >= MIN_PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
+    for (int r = 0; r < num_rows; r++) {
+        void *out_row = row_at(out, r, hidden, is_bf16), *res_row = row_at(residual, r, hidden, is_bf16);
+        const void *x_row = x ? row_at(x, r, hidden, is_bf16) : NULL;
+        add_norm_row(out_row, res_row, x_row, weight, bias, hidden, eps, kind, is_bf16);
+    }
+}
+
+/* x * cos + rotate_half(x) * sin on a head's first rotary_dim dims (rotate_half(x) = [-x2, x1]),
+ * each product rounded to dtype as transformers' tensor ops round them; the other dims copied. */
+static inline void rotate_head(float *restrict dst, const float *restrict x, const float *restrict cos,
+                               const float *restrict sin, int head_dim, int rotary_dim, int is_bf16) {
+    int half = rotary_dim / 2;
+    for (int i = 0; i < half; i++)
+        dst[i] = round_to(x[i] * cos[i], is_bf16) + round_to(-x[i + half] * sin[i], is_bf16);
+    for (int i = half; i < rotary_dim; i++)
+        dst[i] = round_to(x[i] * cos[i], is_bf16) + round_to(x[i - half] * sin[i], is_bf16);
+    for (int i = rotary_dim; i < head_dim; i++) dst[i] = x[i];
+}
+
+/* The RMSNorms of q and k before their rotation: weights q (float32, `width` values) and k, or
+ * NULL for none; `width` is head_dim (one norm per head) or 0 (one over all q heads, one over all
+ * k heads); QK_NORM_RMS rounds the normalized value then its product with the weight (Llama's
+ * RMSNorm), QK_NORM_RMS_SCALED only the product (Gemma's, with (1 + w) given, and OLMo 2's). */
+typedef struct {
+    const float *q, *k;
+    int width, kind;
+    float eps;
+} QKNorm;
+
+/* One RMSNorm of `n` values in place (see QKNorm). */
+static void rms_norm_in_place(float *x, const float *w, int n, const QKNorm *norm, int is_bf16) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int i = 0; i < n; i++) squares += x[i] * x[i];
+    float inverse = 1.0f / sqrtf(squares / (float)n + norm->eps);
+    if (norm->kind == QK_NORM_RMS)
+        for (int i = 0; i < n; i++) x[i] = round_to(w[i] * round_to(x[i] * inverse, is_bf16), is_bf16);
+    else
+        for (int i = 0; i < n; i++) x[i] = round_to(w[i] * (x[i] * inverse), is_bf16);
+}
+
+/* The q and k heads of one qkv row, normalized (`norm`) then rotated in their first rotary_dim
+ * dims, into q_row and k_row. */
 static void rotate_heads(void *q_row, void *k_row, const void *x_row, const void *cos_row, const void *sin_row,
-                         int num_heads, int num_kv_heads, int head_dim, int is_bf16) {
-    int qk_width = (num_heads + num_kv_heads) * head_dim;
-    float row_buf[qk_width], cos_buf[head_dim], sin_buf[head_dim], rotated[qk_width];
+                         int num_heads, int num_kv_heads, int head_dim, int rotary_dim, const QKNorm *norm,
+                         int is_bf16) {
+    int q_width = num_heads * head_dim, qk_width = (num_heads + num_kv_heads) * head_dim;
+    int cos_width = rotary_dim > 0 ? rotary_dim : 1;
+    float row_buf[qk_width], cos_buf[cos_width], sin_buf[cos_width], rotated[qk_width];
     const float *x = as_float(x_row, row_buf, qk_width, is_bf16);
-    const float *c = as_float(cos_row, cos_buf, head_dim, is_bf16);
-    const float *s = as_float(sin_row, sin_buf, head_dim, is_bf16);
+    if (norm->q) {
+        if (x != row_buf) memcpy(row_buf, x, sizeof(float) * (size_t)qk_width);
+        int q_step = norm->width ? norm->width : q_width, k_step = norm->width ? norm->width : qk_width - q_width;
+        for (int i = 0; i < q_width; i += q_step) rms_norm_in_place(row_buf + i, norm->q, q_step, norm, is_bf16);
+        for (int i = q_width; i < qk_width; i += k_step) rms_norm_in_place(row_buf + i, norm->k, k_step, norm, is_bf16);
+        x = row_buf;
+    }
+    const float *c = rotary_dim ? as_float(cos_row, cos_buf, rotary_dim, is_bf16) : cos_buf;
+    const float *s = rotary_dim ? as_float(sin_row, sin_buf, rotary_dim, is_bf16) : sin_buf;
     for (int h = 0; h < num_heads + num_kv_heads; h++)
-        rotate_head(rotated + h * head_dim, x + h * head_dim, c, s, head_dim, is_bf16);
-    store_row(q_row, rotated, num_heads * head_dim, is_bf16);
-    store_row(k_row, rotated + num_heads * head_dim, num_kv_heads * head_dim, is_bf16);
+        rotate_head(rotated + h * head_dim, x + h * head_dim, c, s, head_dim, rotary_dim, is_bf16);
+    store_row(q_row, rotated, q_width, is_bf16);
+    store_row(k_row, rotated + q_width, qk_width - q_width, is_bf16);
 }
 
 /* qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] (q heads, then k, then v);
- * cos/sin: [num_tokens, head_dim]; slots: [num_tokens] int64.
- * Writes q_out [num_tokens, num_heads, head_dim] and k_out [num_tokens, num_kv_heads, head_dim]
- * (rotated), and stores rotated k and plain v at k_cache/v_cache row `slots[t]`
+ * cos/sin: [num_tokens, rotary_dim] (rotary_dim even, at most head_dim; 0: no rotation);
+ * slots: [num_tokens] int64; q_norm / k_norm, norm_width, norm_kind, eps: the QKNorm (q_norm NULL:
+ * none). Writes q_out [num_tokens, num_heads, head_dim] and k_out [num_tokens, num_kv_heads,
+ * head_dim] (normalized, rotated), and stores that k and plain v at k_cache/v_cache row `slots[t]`
  * ([num_slots, num_kv_heads, head_dim]). */
 void bg_rope_write_kv(void *q_out, void *k_out, void *k_cache, void *v_cache, const void *qkv,
                       const void *cos, const void *sin, const int64_t *slots, int num_tokens, int num_heads,
-                      int num_kv_heads, int head_dim, int dtype, int num_threads) {
+                      int num_kv_heads, int head_dim, int rotary_dim, const float *q_norm, const float *k_norm,
+                      int norm_width, int norm_kind, float eps, int dtype, int num_threads) {
     int is_bf16 = dtype == DTYPE_BF16;
+    QKNorm norm = {q_norm, k_norm, norm_width, norm_kind, eps};
     int64_t width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
     int qk_width = (num_heads + num_kv_heads) * head_dim, kv_width = num_kv_heads * head_dim;
     size_t element = is_bf16 ? 2 : 4;
@@ -259,13 +340,14 @@ void bg_rope_write_kv(void *q_out, void *k_out, void *k_cache, void *v_cache, co
     for (int t = 0; t < num_tokens; t++) {
         const char *row = row_at(qkv, t, width, is_bf16);
         void *q_row = row_at(q_out, t, num_heads * head_dim, is_bf16), *k_row = row_at(k_out, t, kv_width, is_bf16);
-        const void *cos_row = row_at(cos, t, head_dim, is_bf16), *sin_row = row_at(sin, t, head_dim, is_bf16);
+        const void *cos_row = row_at(cos, t, rotary_dim, is_bf16), *sin_row = row_at(sin, t, rotary_dim, is_bf16);
 #ifdef HAS_ROW16
-        if (head_dim % 32 == 0)
+        if (head_dim % 32 == 0 && rotary_dim == head_dim && !q_norm)
             rotate_heads16(q_row, k_row, row, cos_row, sin_row, num_heads, num_kv_heads, head_dim, is_bf16);
         else
 #endif
-            rotate_heads(q_row, k_row, row, cos_row, sin_row, num_heads, num_kv_heads, head_dim, is_bf16);
+            rotate_heads(q_row, k_row, row, cos_row, sin_row, num_heads, num_kv_heads, head_dim, rotary_dim, &norm,
+                         is_bf16);
         memcpy(row_at(k_cache, slots[t], kv_width, is_bf16), k_row, kv_width * element);
         memcpy(row_at(v_cache, slots[t], kv_width, is_bf16), row + qk_width * element, kv_width * element);
     }
