@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import batchgen
 from batchgen.cli import main
-from batchgen.kernels import c_library, cpu_attention, inventory, sampling_ops
+from batchgen.kernels import c_library, cpu_attention, int8_gemm, inventory, sampling_ops
 from batchgen.kernels.inventory import (CKernel, c_kernel_state, cpu_model_and_flags, describe_attention_backend,
                                        triton_kernel_states)
 from batchgen.models import resolve_dtype
@@ -117,3 +117,11 @@ def test_triton_kernels_without_triton_are_off_and_say_how_to_install_it():
     assert [state.name for state in states] == ["cuda_attention (Triton)", "cuda_decoder_ops (Triton)"]
     for state in states:
         assert not state.is_active and state.reason == "Triton is not installed (pip install triton)"
+
+
+def test_quantization_names_the_products_each_mode_runs_on(facts):
+    instructions = int8_gemm.instructions()
+    expected_int8 = f"int8: int8_gemm.c ({instructions})" if instructions else "int8: torch._int_mm"
+    assert facts["quantization"].startswith(expected_int8)
+    assert "int8-weight: torch _weight_int8pack_mm" in facts["quantization"]
+    assert f"quantization  {facts['quantization']}" in invoke("info").stdout.splitlines()

@@ -7,10 +7,10 @@ the OS's permission to use the tile registers).
 
 Invariants:
 - `pack` copies a [n, k] int8 weight into the kernel's panel layout once, its inputs padded
-  with zeros to a multiple of `INPUT_MULTIPLE`; `quantize_rows` pads each row alike.
-- `quantize_rows` equals `int8_reference.quantize_rows` exactly, and `linear` equals
-  `int8_reference.linear` exactly (the int32 sums are exact, the float32 scaling is done in the
-  same order, the bf16 rounding once).
+  with zeros to a multiple of `input_multiple()`; `linear` pads each quantized row alike.
+- `linear` equals `int8_linear`'s torch computation of the same quantization exactly (its rows
+  quantized as `int8_linear.quantize_rows` does, the int32 sums exact, the float32 scaling in
+  the same order, the bf16 rounding once).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.profiler_spans import INT8_LINEAR_SPAN, profiler_span
 
+AMX_PANEL_COLUMNS = 32  # the AMX path's panel width (the VNNI path's is 96)
 # products are scaled by two float32 multiplications and the bias added apart, as the reference does
 COMPILE_FLAGS = ("-ffp-contract=off",)
 
@@ -40,10 +41,8 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if library is None or not library.bg_int8_gemm_available():
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.bg_int8_quantize_rows.argtypes = [pointer, size, size, size, pointer, size, pointer, ctypes.c_int]
-    library.bg_int8_quantize_rows.restype = None
-    library.bg_int8_linear.argtypes = [pointer, pointer, size, size, pointer, pointer, pointer, pointer, size, pointer,
-                                       ctypes.c_int]
+    library.bg_int8_linear.argtypes = [pointer, size, size, size, pointer, pointer, size, pointer, pointer, pointer,
+                                       pointer, size, pointer, ctypes.c_int]
     library.bg_int8_linear.restype = None
     return library
 
@@ -51,6 +50,15 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 def is_available() -> bool:
     """Whether this machine's build holds the kernel."""
     return _library() is not None
+
+
+def instructions() -> str | None:
+    """The instructions this machine's build runs the products on (``AMX-INT8`` or
+    ``AVX512-VNNI``), or None without a kernel."""
+    library = _library()
+    if library is None:
+        return None
+    return "AMX-INT8" if library.bg_int8_gemm_panel_columns() == AMX_PANEL_COLUMNS else "AVX512-VNNI"
 
 
 def input_multiple() -> int:
@@ -76,27 +84,19 @@ def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, compensation
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scales) of a 2-D bf16 `x`: q [m, padded_inputs(k)] int8, scales [m] float32."""
+def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
+           bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows quantized per token in the
+    same call, where ``weight = values * scales[:, None]`` and ``pack(values) = (panels, compensation)``."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    q = torch.empty((m, padded_inputs(k)), dtype=torch.int8)
-    scales = torch.empty(m, dtype=torch.float32)
-    _library().bg_int8_quantize_rows(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), q.shape[1], scales.data_ptr(),
-                                     torch.get_num_threads())
-    return q, scales
-
-
-def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
-           bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows quantized per token, where
-    ``weight = values * scales[:, None]`` and ``pack(values) = (panels, compensation)``."""
-    q, x_scales = quantize_rows(x)
-    out = x.new_empty((x.shape[0], out_features))
+    k_padded = padded_inputs(k)
+    scratch = torch.empty(m * (k_padded + 4), dtype=torch.int8)  # the rows' int8 values, then their float32 scales
+    out = x.new_empty((m, out_features))
     with profiler_span(INT8_LINEAR_SPAN):
-        _library().bg_int8_linear(q.data_ptr(), x_scales.data_ptr(), q.shape[0], q.shape[1], panels.data_ptr(),
-                                  scales.data_ptr(), compensation.data_ptr(),
-                                  None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
-                                  torch.get_num_threads())
+        _library().bg_int8_linear(x.data_ptr(), x.stride(0), m, k, scratch.data_ptr(),
+                                  scratch.data_ptr() + m * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
+                                  compensation.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
+                                  out.data_ptr(), torch.get_num_threads())
     return out

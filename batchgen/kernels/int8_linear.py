@@ -48,9 +48,10 @@ class Int8Weight:
 
 def quantize_weight(weight: torch.Tensor, mode: str) -> Int8Weight:
     """`weight` [n, k] quantized for `mode` (``int8`` or ``int8-weight``), packed for the C
-    kernel where it runs W8A8 products on this CPU."""
+    kernel where it runs W8A8 products (a bf16 weight on a CPU that has it)."""
     values, scales = quantized_channels(weight, mode)
-    if mode == "int8" and values.device.type == "cpu" and int8_gemm.is_available():
+    on_kernel = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and int8_gemm.is_available()
+    if mode == "int8" and on_kernel:
         panels, compensation = int8_gemm.pack(values)
         return Int8Weight(None, scales, True, panels, compensation)
     return Int8Weight(values, scales, mode == "int8")

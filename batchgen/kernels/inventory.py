@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from batchgen import models
-from batchgen.kernels import amx_attention, bf16_gemm, c_library, cpu_attention, decoder_ops, sampling_ops
+from batchgen.kernels import amx_attention, bf16_gemm, c_library, cpu_attention, decoder_ops, int8_gemm, sampling_ops
 from batchgen.kernels.attention import NativeBackend, make_backend
 
 PACKAGE_DIR = Path(__file__).parent.parent  # the batchgen package this module belongs to
@@ -62,6 +62,7 @@ C_KERNELS = (
     CKernel("decoder_ops.c", "fused decoder ops (RMSNorm, rotary + K/V store, SiLU)", decoder_ops.is_available),
     CKernel("sampling_ops.c", "argmax sampling", lambda: sampling_ops.load_build() is not None),
     CKernel("bf16_gemm.c", "bfloat16 GEMM", bf16_gemm.is_available, "AVX512-BF16"),
+    CKernel("int8_gemm.c", "int8 GEMM (quantization: int8)", int8_gemm.is_available, "AVX512-VNNI"),
 )
 
 
@@ -77,6 +78,7 @@ class Inventory:
     kernels: list[KernelState]
     auto_dtype: str
     attention_backend: str
+    quantization: str
     cache_dir: str
 
     def to_dict(self) -> dict:
@@ -93,6 +95,7 @@ class Inventory:
             ("cuda", self.cuda_device or "none"),
             ("dtype auto", self.auto_dtype),
             ("attention", self.attention_backend),
+            ("quantization", self.quantization),
             ("cache", self.cache_dir),
         ]
         lines = [f"{label:<13} {value}" for label, value in rows] + ["kernels"]
@@ -174,6 +177,14 @@ def describe_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     return f"{description}; auto on {device.type} for {dtype_name}, head_dim {DEFAULT_MODEL_HEAD_DIM}"
 
 
+def describe_quantization() -> str:
+    """The products of each `quantization` mode on this machine's CPU (on CUDA: int8 on
+    ``torch._int_mm``, int8-weight on cuBLAS over a dequantized copy)."""
+    instructions = int8_gemm.instructions()
+    int8 = f"int8_gemm.c ({instructions})" if instructions else "torch._int_mm (no int8 kernel here)"
+    return f"int8: {int8}; int8-weight: torch _weight_int8pack_mm"
+
+
 def _function_name(function: Callable) -> str:
     return f"{function.__module__.rsplit('.', 1)[-1]}.{function.__name__}"
 
@@ -197,5 +208,6 @@ def gather_inventory() -> Inventory:
         kernels=kernels,
         auto_dtype=str(dtype).removeprefix("torch."),
         attention_backend=describe_attention_backend(device, dtype),
+        quantization=describe_quantization(),
         cache_dir=str(models.cache_dir()),
     )

@@ -9,7 +9,7 @@ import torch
 
 ATTENTION_SPAN = "batchgen::attention"  # one layer's attention, its KV write included
 BF16_LINEAR_SPAN = "batchgen::bf16_linear"  # one product of bf16_gemm's kernel
-INT8_LINEAR_SPAN = "batchgen::int8_linear"  # one product of int8_gemm's kernel (its row quantization apart)
+INT8_LINEAR_SPAN = "batchgen::int8_linear"  # one product of int8_gemm's kernel, its rows' quantization included
 
 
 def profiler_span(label: str):

@@ -5,13 +5,13 @@
  *   bg_int8_gemm_available       1 where this build holds a kernel and may run it, else 0
  *   bg_int8_gemm_panel_columns   output columns per panel of the weight layout (96; 32 on the
  *                                AMX path)
- *   bg_int8_quantize_rows        q[r] = round(x[r] * 127 / max|x[r]|) (to nearest even), scale[r]
- *                                = max|x[r]| / 127: symmetric int8 per row (per token), each row
- *                                padded with zeros to the quantized row length
  *   bg_int8_linear               out[m, n] = bf16(float(q[m] . w[n]) * (x_scale[m] * w_scale[n])
- *                                + bias[n]): the int32 sum is exact, the scaling two float32
- *                                products (no fused multiply-add: the build has -ffp-contract=off),
- *                                the bias one float32 addition, rounded to nearest even once
+ *                                + bias[n]), where q[r] = round(x[r] * (127 / max|x[r]|)) (to
+ *                                nearest even) and x_scale[r] = max|x[r]| / 127: each row of x
+ *                                quantized symmetric, per token; the int32 sum is exact, the
+ *                                scaling two float32 products (no fused multiply-add: the build
+ *                                has -ffp-contract=off), the bias one float32 addition, rounded
+ *                                to nearest even once
  *
  * Inputs come in multiples of INPUT_MULTIPLE (64, one AMX tile row of int8): the weight and the
  * quantized rows are padded with zeros to it, so any number of inputs is taken.
@@ -38,7 +38,6 @@
 #include <stdint.h>
 
 #define INPUT_MULTIPLE 64
-#define QUANTIZE_PARALLEL_ELEMENTS 8192   /* fewer elements are quantized on one thread */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -93,7 +92,7 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, int64_t q_leng
     for (int64_t i = 0; i < k; i += 16) {
         __mmask16 mask = column_mask(i, k);
         __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_float(x + i, mask), _mm512_set1_ps(inverse)));
-        _mm512_mask_cvtsepi32_storeu_epi8(q + i, mask, rounded);
+        _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtsepi32_epi8(rounded)); /* a narrowing store to memory is slow */
     }
     for (int64_t i = k; i < q_length; i++) q[i] = 0;
 }
@@ -278,20 +277,14 @@ int bg_int8_gemm_available(void) { return 1; }
 
 int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
 
-/* x [m, k] bf16 rows of row stride x_stride; q [m, q_length] (q_length >= k, a multiple of
- * INPUT_MULTIPLE), scales [m]. */
-void bg_int8_quantize_rows(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, int8_t *q, int64_t q_length,
-                           float *scales, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= QUANTIZE_PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < m; r++) quantize_row(x + r * x_stride, k, q + r * q_length, q_length, scales + r);
-}
-
-/* q [m, k] int8 rows and x_scales [m] from bg_int8_quantize_rows (k a multiple of
- * INPUT_MULTIPLE); weight packed as above with w_scales [n] and compensation [n] (128 times
- * each column's sum); bias [n] bf16 or NULL; out [m, n] bf16. m may be 0: nothing is computed. */
-void bg_int8_linear(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
-                    const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
-                    uint16_t *out, int num_threads) {
+/* x [m, k] bf16 rows of row stride x_stride, quantized into q [m, k_padded] and x_scales [m]
+ * (scratch the caller allocates; k_padded a multiple of INPUT_MULTIPLE, >= k); weight packed as
+ * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
+ * sum); bias [n] bf16 or NULL; out [m, n] bf16. Each thread quantizes a share of the rows, then
+ * all compute their panels. m may be 0: nothing is computed. */
+void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int8_t *q, float *x_scales,
+                    int64_t k_padded, const int8_t *weight, const float *w_scales, const int32_t *compensation,
+                    const uint16_t *bias, int64_t n, uint16_t *out, int num_threads) {
     if (m < 1) return;
     int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     if (num_threads > panels) num_threads = (int)panels;
@@ -299,7 +292,10 @@ void bg_int8_linear(const int8_t *q, const float *x_scales, int64_t m, int64_t k
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-        panel_range(q, x_scales, m, k, weight, w_scales, compensation, bias, n, out, panels * thread / team,
+        for (int64_t r = m * thread / team; r < m * (thread + 1) / team; r++)
+            quantize_row(x + r * x_stride, k, q + r * k_padded, k_padded, x_scales + r);
+#pragma omp barrier
+        panel_range(q, x_scales, m, k_padded, weight, w_scales, compensation, bias, n, out, panels * thread / team,
                     panels * (thread + 1) / team);
     }
 }
