@@ -46,6 +46,7 @@ def test_greedy_equals_transformers_generate(family, fused):
     model, prompts, expected = family_oracle(family)
     # 64-token steps: long prompts prefill in chunks that attend over cached blocks
     llm = LLM(model, tokenizer=tiny_tokenizer(), fused_step=fused, max_num_batched_tokens=64)
+    assert (llm.engine.runner.fused is not None) == fused  # every family runs the fused step
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected

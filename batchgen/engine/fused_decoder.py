@@ -1,81 +1,131 @@
-"""The fused step of a Llama-family model: four GEMMs and three elementwise passes per layer.
+"""The fused step of every family `model_specs` describes: few GEMMs and fused passes per layer.
 
 transformers' forward of a decoder layer runs seven linear layers and a few dozen small tensor
 ops (norms, rotary embeddings, activation, residual adds, transposes), each a separate call;
 on a CPU those calls cost as much as the matrix products of a decode step, and on a GPU their
 launches cost more than the step's arithmetic. `FusedDecoder` computes the same step from the
-same weights with:
+same weights, as the family's `ModelSpec` describes it, with:
 
-- q|k|v and gate|up merged into one product each, every weight packed once (for oneDNN or
-  batchgen's bf16 kernel on a CPU; concatenated for cuBLAS on a GPU);
-- three fused passes: residual add + RMSNorm, rotary embeddings + K/V store into the pool,
-  SiLU(gate) * up: `decoder_ops`' C on a CPU, `cuda_decoder_ops`' Triton kernels on a GPU;
-- batchgen's attention backend on the pool, as the transformers path uses it.
+- q|k|v and the MLP's first products merged into one product each, every weight packed once
+  (for oneDNN or batchgen's bf16 kernel on a CPU; concatenated for cuBLAS on a GPU);
+- fused passes: residual add + norm, q/k norms + rotary embeddings + K/V store into the pool,
+  SiLU(gate) * up: `decoder_ops`' C on a CPU, `cuda_decoder_ops`' Triton kernels on a GPU
+  (a Llama step's ops only: families that need more run transformers' forward there);
+- a mixture-of-experts layer's expert products grouped per step (`moe_layer`);
+- batchgen's attention backend on the pool, each layer with the scale and `AttentionVariant`
+  transformers' forward asks for (`model_check`).
 
 Invariants:
-- `FusedDecoder.build(model)` returns None unless the model is a `llama`, `mistral` or `qwen2`
-  model with a SiLU MLP whose device has the fused ops: on a CPU in float32 or bfloat16 with
-  the C ops built here, on CUDA in float32, bfloat16 or float16 with Triton; the engine then
+- `FusedDecoder.build(model)` returns None unless `model_specs.read_model` describes the model
+  and its device has the fused ops it needs (`ops.FEATURES`): on a CPU in float32 or bfloat16
+  with the C ops built here, on CUDA in float32, bfloat16 or float16 with Triton; the engine then
   runs transformers' forward. With a `quantization` (int8 products: `int8_linear`) it raises
   instead, and for a float32 model too: quantized products run only here, on 16-bit models.
-  The LM head stays in the model's dtype. It copies the weights it merges or packs (the model is untouched;
-  later changes to those weights are not seen); on CUDA the o, down and output projections are
-  the model's own tensors.
-- A step reads no host value of a device tensor: on CUDA it can be captured in a graph.
+  The LM head and the experts stay in the model's dtype. It copies the weights it merges or
+  packs (the model is untouched; later changes to those weights are not seen); on CUDA the o,
+  down and output projections are the model's own tensors.
+- A step reads no host value of a device tensor on a Llama step's path: on CUDA it can be
+  captured in a graph.
 - Rows are padded to `cpu_linear.bucketed` rows for every product (a multiple of 32 where a
   weight runs on oneDNN, which keeps state per input shape; none on the bf16 kernel); padding
-  rows never reach the pool or a kept logit.
+  rows never reach the pool, an expert or a kept logit.
 - The last layer writes every row's K/V but runs attention, o and the MLP only on `OutputTail`
   rows: each sequence's rows from its first kept logit on; a row's logits do not depend on the
   rows skipped (a 2,048-token prompt skips 2,047 rows of that work).
-- In float32 every op rounds as transformers' does except the order of the RMSNorm sum and of
-  the GEMMs' additions, so greedy outputs equal `model.generate`'s (tested); in bfloat16 the
-  same intermediates are rounded to bfloat16 where transformers rounds them.
+- In float32 every op rounds as transformers' does except the order of the norms' sums and of
+  the GEMMs' additions, so greedy outputs equal `model.generate`'s (tested, every family); in
+  bfloat16 the same intermediates are rounded to bfloat16 where transformers rounds them.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from batchgen.engine.model_check import LayerAttention, check_attention
+from batchgen.engine.model_specs import LayerWeights, Linear, ModelSpec, ModelWeights, Norm, read_model
+from batchgen.engine.moe_layer import MoeLayer
+from batchgen.engine.output_tail import output_tail
 from batchgen.kernels import cuda_decoder_ops, decoder_ops
-from batchgen.kernels.attention import AttentionMetadata, AttentionStep
-from batchgen.engine.model_check import check_attention
+from batchgen.models import kv_cache_shape
+from batchgen.kernels.attention import AttentionStep
 from batchgen.kernels.attention_kernel import AttentionVariant
 from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)  # the model dtypes int8 products run in
+
+
+@dataclass(frozen=True)
+class FusedNorm:
+    """A norm as the fused ops take it: Llama's RMSNorm ("rms") with its weight in the model's
+    dtype; the others ("rms_scaled", "layer") with float32 weight (the family's offset added)
+    and bias."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+    kind: str
+
+    @classmethod
+    def of(cls, norm: Norm | None, spec: ModelSpec) -> FusedNorm | None:
+        if norm is None:
+            return None
+        if spec.norm_kind == "rms":
+            return cls(norm.weight, None, norm.eps, "rms")
+        bias = None if norm.bias is None else norm.bias.detach().float()
+        return cls(norm.weight.float() + spec.norm_offset, bias, norm.eps, spec.norm_kind)
+
+
+def add_norm(ops, out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, norm: FusedNorm | None) -> None:
+    """``residual += x`` (when given), then ``out`` = `norm` of ``residual`` (a copy where there
+    is no norm); ``out`` may be ``residual``."""
+    if norm is None:
+        if x is not None:
+            residual.add_(x)
+        if out is not residual:
+            out.copy_(residual)
+    elif norm.kind == "rms":
+        ops.add_rms_norm(out, residual, x, norm.weight, norm.eps)
+    else:
+        ops.add_norm(out, residual, x, norm.weight, norm.bias, norm.eps, norm.kind)
+
+
+def pack(linear: Linear | None, quantization: str) -> PackedWeight | None:
+    return None if linear is None else pack_weights([linear.weight], [linear.bias], quantization)
 
 
 @dataclass
 class FusedLayer:
     qkv: PackedWeight
     o: PackedWeight
-    gate_up: PackedWeight
-    down: PackedWeight
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    mlp_in: PackedWeight | None
+    mlp_out: PackedWeight | None
+    moe: MoeLayer | None
+    attn_norm: FusedNorm | None
+    attn_out_norm: FusedNorm | None
+    mlp_norm: FusedNorm | None
+    mlp_out_norm: FusedNorm | None
+    qk_norm: decoder_ops.QKNorm | None
+    scale: float
+    variant: AttentionVariant
+    rotary_key: str | None
 
     @classmethod
-    def from_module(cls, layer, quantization: str) -> FusedLayer:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        return cls(
-            qkv=pack_weights([p.weight for p in projections], [p.bias for p in projections], quantization),
-            o=pack_weights([attention.o_proj.weight], [attention.o_proj.bias], quantization),
-            gate_up=pack_weights([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
-                                 quantization),
-            down=pack_weights([mlp.down_proj.weight], [mlp.down_proj.bias], quantization),
-            input_norm=layer.input_layernorm.weight.detach(),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-        )
+    def of(cls, layer: LayerWeights, spec: ModelSpec, attention: LayerAttention, rotary_key: str | None,
+           quantization: str) -> FusedLayer:
+        qk_norm = None
+        if layer.q_norm is not None:
+            q_norm, k_norm = FusedNorm.of(layer.q_norm, spec), FusedNorm.of(layer.k_norm, spec)
+            qk_norm = decoder_ops.QKNorm(q_norm.weight.float(), k_norm.weight.float(), spec.qk_norm_per_head,
+                                         "rms" if spec.norm_kind == "rms" else "rms_scaled", q_norm.eps)
+        norms = [FusedNorm.of(norm, spec) for norm in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
+                                                       layer.mlp_out_norm)]
+        return cls(pack(layer.qkv, quantization), pack(layer.o, quantization), pack(layer.mlp_in, quantization),
+                   pack(layer.mlp_out, quantization), layer.moe, *norms, qk_norm, attention.scale,
+                   attention.variant, rotary_key)
 
 
 def fused_ops(device: torch.device):
@@ -87,54 +137,54 @@ def fused_ops(device: torch.device):
     return None
 
 
-def is_supported(model, ops) -> bool:
-    """A Llama-family model whose layers `FusedLayer` can read, in a dtype its device's fused `ops` take."""
-    config = model.config
-    if (config.model_type not in SUPPORTED_MODEL_TYPES or ops is None or getattr(config, "hidden_act", None) != "silu"
-            or model.dtype not in ops.DTYPES):
-        return False
-    attention = model.model.layers[0].self_attn
-    has_bias = [p.bias is not None for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
-    return all(has_bias) or not any(has_bias)
+def readable(model, ops) -> ModelWeights | None:
+    """The model as the fused step reads it, where its device's `ops` run every part of it."""
+    if ops is None or model.dtype not in ops.DTYPES:
+        return None
+    weights = read_model(model)
+    _, _, head_dim = kv_cache_shape(model.config.get_text_config())
+    if weights is None or not weights.features(head_dim) <= ops.FEATURES:
+        return None
+    return weights
 
 
 class FusedDecoder:
     """The model's forward over one packed step (see the module docstring)."""
 
-    def __init__(self, model, ops, variants: list[AttentionVariant], quantization: str = "none"):
-        decoder = model.model
+    def __init__(self, model, ops, weights: ModelWeights, attention: list[LayerAttention],
+                 quantization: str = "none"):
+        _, num_kv_heads, head_dim = kv_cache_shape(model.config.get_text_config())
         self.ops = ops
-        self.embed_tokens = decoder.embed_tokens
-        self.rotary_emb = decoder.rotary_emb
-        self.layers = [FusedLayer.from_module(layer, quantization) for layer in decoder.layers]
-        self.final_norm = decoder.norm.weight.detach()
-        self.eps = decoder.norm.variance_epsilon
-        self.lm_head = pack_weights([model.get_output_embeddings().weight], [None])
-        attention = decoder.layers[0].self_attn
-        self.num_heads = model.config.num_attention_heads
-        self.num_kv_heads = model.config.num_key_value_heads
-        self.head_dim = attention.head_dim
-        self.intermediate_size = model.config.intermediate_size
-        self.scale = attention.scaling
-        self.variants = variants
+        self.weights = weights
+        self.spec = weights.spec
+        self.layers = [FusedLayer.of(layer, weights.spec, layer_attention, key, quantization)
+                       for layer, layer_attention, key in zip(weights.layers, attention, weights.rotary_keys)]
+        self.final_norm = FusedNorm.of(weights.final_norm, weights.spec)
+        self.lm_head = pack(weights.lm_head, "none")
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.num_heads = weights.layers[0].qkv.weight.shape[0] // head_dim - 2 * num_kv_heads
+        self.intermediate_size = max((layer.mlp_in.out_features // 2 for layer in self.layers if layer.mlp_in),
+                                     default=0)
         self.row_bucket = row_bucket([self.lm_head] + [weight for layer in self.layers
-                                                        for weight in (layer.qkv, layer.o, layer.gate_up, layer.down)])
+                                                        for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)
+                                                        if weight is not None])
 
     @classmethod
     def build(cls, model, quantization: str = "none",
-              variants: list[AttentionVariant] | None = None) -> FusedDecoder | None:
+              attention: list[LayerAttention] | None = None) -> FusedDecoder | None:
         """The fused step of `model`, or None where it does not apply; with a `quantization`
-        that cannot run, a `ValueError` saying why. `variants`: each layer's attention as
+        that cannot run, a `ValueError` saying why. `attention`: each layer's as
         `model_check.check_attention` reads it (read here when not given)."""
         ops = fused_ops(model.device)
-        if quantization != "none" and not (is_supported(model, ops) and model.dtype in QUANTIZED_DTYPES):
-            raise ValueError(f"quantization: {quantization} runs on the fused step of a Llama, Mistral or Qwen2 "
-                             f"model in bfloat16 (or float16 on CUDA); this is a {model.config.model_type} model in "
-                             f"{str(model.dtype).removeprefix('torch.')} on {model.device.type}")
+        weights = readable(model, ops)
+        if quantization != "none" and not (weights is not None and model.dtype in QUANTIZED_DTYPES):
+            raise ValueError(f"quantization: {quantization} runs on the fused step of a model in bfloat16 (or "
+                             f"float16 on CUDA) that the fused step runs; this is a {model.config.model_type} model "
+                             f"in {str(model.dtype).removeprefix('torch.')} on {model.device.type}")
+        if weights is None:
+            return None
         try:
-            if not is_supported(model, ops):
-                return None
-            return cls(model, ops, check_attention(model) if variants is None else variants, quantization)
+            return cls(model, ops, weights, check_attention(model) if attention is None else attention, quantization)
         except RuntimeError:  # oneDNN cannot pack this dtype on this CPU
             return None
 
@@ -143,46 +193,102 @@ class FusedDecoder:
         """Logits (in the model's dtype) of the rows `logit_indices` (None: every row) of a step of
         `len(input_ids)` tokens."""
         num_tokens, ops = len(input_ids), self.ops
-        rows = StepRows.allocate(self.embed_tokens(F.pad(input_ids, (0, bucketed(num_tokens, self.row_bucket)
-                                                                     - num_tokens))), num_tokens, self)
-        cos, sin = self.rotary_emb(rows.residual[None], positions[None])
-        ops.add_rms_norm(rows.normed, rows.residual, None, self.layers[0].input_norm, self.eps)
+        rows = StepRows.allocate(self.embed(input_ids, positions), num_tokens, self)
+        rotations = self.rotations(rows.residual, positions)
+        add_norm(ops, rows.normed, rows.residual, None, self.layers[0].attn_norm)
         keys = rows.residual.new_empty((num_tokens, self.num_kv_heads, self.head_dim))
         value_start = (self.num_heads + self.num_kv_heads) * self.head_dim
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
         metadata = step.metadata
         tail = None if logit_indices is None else output_tail(metadata, logit_indices)
         kept_rows = slice(num_tokens)
         if logit_indices is not None and tail is None:
             kept_rows = torch.tensor(logit_indices, dtype=torch.long, device=input_ids.device)
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            if self.spec.parallel and layer.mlp_norm is not None:
+                add_norm(ops, rows.mlp_normed, rows.residual, None, layer.mlp_norm)
             k_cache, v_cache = step.k_caches[index], step.v_caches[index]
             qkv = packed_linear(rows.normed, layer.qkv)
             with profiler_span(ATTENTION_SPAN):
-                ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos[0], sin[0], metadata.slot_mapping)
+                cos, sin = rotations[layer.rotary_key]
+                qk_norm = {} if layer.qk_norm is None else {"qk_norm": layer.qk_norm}
+                ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos, sin, metadata.slot_mapping, **qk_norm)
                 values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
                 if index == len(self.layers) - 1 and tail is not None:
                     metadata, kept_rows = tail.metadata, tail.logit_indices
                     rows, keys, values = rows.select(tail.rows, self), keys[tail.rows], values[tail.rows]
                 step.backend.forward(rows.heads[:rows.num_tokens], keys, values, k_cache, v_cache, metadata,
-                                     self.scale, rows.attended[:rows.num_tokens], self.variants[index])
-            ops.add_rms_norm(rows.normed, rows.residual, packed_linear(rows.attended.flatten(1), layer.o),
-                             layer.post_norm, self.eps)
-            ops.silu_mul(rows.activated, packed_linear(rows.normed, layer.gate_up))
-            ops.add_rms_norm(rows.normed, rows.residual, packed_linear(rows.activated, layer.down), next_norm, self.eps)
-        kept = rows.normed[kept_rows]
+                                     layer.scale, rows.attended[:rows.num_tokens], layer.variant)
+            attended = packed_linear(rows.attended.flatten(1), layer.o)
+            if self.spec.parallel:
+                attended.add_(self.mlp(rows.normed if layer.mlp_norm is None else rows.mlp_normed, layer, rows))
+            else:
+                add_norm(ops, rows.normed, rows.residual, self.residual_part(attended, layer.attn_out_norm),
+                         layer.mlp_norm)
+                attended = self.residual_part(self.mlp(rows.normed, layer, rows), layer.mlp_out_norm)
+            add_norm(ops, rows.normed, rows.residual, attended, next_norm)
+        return self.logits(rows.normed[kept_rows])
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The step's first residual rows, padded to a `bucketed` count."""
+        padding = (0, bucketed(len(input_ids), self.row_bucket) - len(input_ids))
+        hidden = self.weights.embed(F.pad(input_ids, padding))
+        if self.spec.embedding_scale is not None:
+            hidden = hidden * self.spec.embedding_scale
+        if self.weights.positions is not None:
+            hidden = hidden + self.weights.positions(F.pad(positions, padding))
+        return hidden
+
+    def rotations(self, rows: torch.Tensor, positions: torch.Tensor) -> dict:
+        """`ModelWeights.rotations` of the step's positions for each rotary key."""
+        return {key: self.weights.rotations(rows, positions, key) for key in set(self.weights.rotary_keys)}
+
+    def residual_part(self, x: torch.Tensor, norm: FusedNorm | None) -> torch.Tensor:
+        """What a sublayer's output `x` adds to the residual: normed (Gemma, OLMo 2) and scaled
+        (Granite) in place."""
+        if norm is not None:
+            add_norm(self.ops, x, x, None, norm)
+        if self.spec.residual_scale is not None:
+            x.mul_(self.spec.residual_scale)
+        return x
+
+    def mlp(self, x: torch.Tensor, layer: FusedLayer, rows: StepRows) -> torch.Tensor:
+        """The MLP's output for the rows `x` (padded as they are)."""
+        if layer.moe is not None:
+            out = torch.zeros_like(x)
+            out[:rows.num_tokens] = layer.moe.forward(x[:rows.num_tokens])
+            return out
+        hidden = packed_linear(x, layer.mlp_in)
+        if self.spec.gated and self.spec.activation is None:
+            self.ops.silu_mul(rows.activated, hidden)
+            activated = rows.activated
+        elif self.spec.gated:
+            width = hidden.shape[1] // 2
+            activated = self.spec.activation(hidden[:, :width]) * hidden[:, width:]
+        else:
+            activated = self.spec.activation(hidden)
+        return packed_linear(activated, layer.mlp_out)
+
+    def logits(self, kept: torch.Tensor) -> torch.Tensor:
         num_kept = len(kept)
         kept = F.pad(kept, (0, 0, 0, bucketed(num_kept, self.row_bucket) - num_kept))
-        return packed_linear(kept, self.lm_head)[:num_kept]
+        logits = packed_linear(kept, self.lm_head)[:num_kept]
+        if self.spec.logit_divisor is not None:
+            logits = logits / self.spec.logit_divisor
+        if self.spec.final_softcap is not None:
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits
 
 
 @dataclass
 class StepRows:
     """One layer's activations of `num_tokens` packed rows, each buffer padded to
-    `len(residual)` rows (a `bucketed` count); padding rows of `heads` and `attended` are 0."""
+    `len(residual)` rows (a `bucketed` count); padding rows of `heads` and `attended` are 0.
+    `mlp_normed` holds the MLP's own norm of the residual in a parallel layer that has one."""
 
     residual: torch.Tensor
     normed: torch.Tensor
+    mlp_normed: torch.Tensor
     heads: torch.Tensor
     attended: torch.Tensor
     activated: torch.Tensor
@@ -191,42 +297,14 @@ class StepRows:
     @classmethod
     def allocate(cls, residual: torch.Tensor, num_tokens: int, decoder: FusedDecoder) -> StepRows:
         heads = residual.new_zeros((len(residual), decoder.num_heads, decoder.head_dim))
-        return cls(residual, torch.empty_like(residual), heads, torch.zeros_like(heads),
+        return cls(residual, torch.empty_like(residual), torch.empty_like(residual), heads, torch.zeros_like(heads),
                    residual.new_empty((len(residual), decoder.intermediate_size)), num_tokens)
 
     def select(self, indices: torch.Tensor, decoder: FusedDecoder) -> StepRows:
-        """The rows `indices` of this layer's residual and rotated queries, in new buffers."""
+        """The rows `indices` of this layer's residual, norms and rotated queries, in new buffers."""
         padding = bucketed(len(indices), decoder.row_bucket) - len(indices)
         selected = StepRows.allocate(F.pad(self.residual[indices], (0, 0, 0, padding)), len(indices), decoder)
         selected.heads[: len(indices)] = self.heads[indices]
+        selected.normed[: len(indices)] = self.normed[indices]
+        selected.mlp_normed[: len(indices)] = self.mlp_normed[indices]
         return selected
-
-
-class OutputTail(NamedTuple):
-    """The rows a step's last layer runs after its K/V are written: each sequence's rows from its
-    first kept logit row on (none for a prefill chunk that keeps no logits)."""
-
-    metadata: AttentionMetadata  # their attention layout
-    rows: torch.Tensor  # their packed indices
-    logit_indices: torch.Tensor  # the kept logit rows, numbered among them
-
-
-def output_tail(metadata: AttentionMetadata, logit_indices: list[int]) -> OutputTail | None:
-    """The step's `OutputTail`, or None when it skips no row or would drop a decode row (cascade
-    groups number the decode rows)."""
-    starts, ends = metadata.query_start_loc[:-1], metadata.query_start_loc[1:]
-    if len(logit_indices) == ends[-1]:  # a decode step: every row is kept
-        return None
-    seq_of_logit = [bisect.bisect_right(ends, row) for row in logit_indices]
-    first_kept = list(ends)
-    for row, seq in zip(logit_indices, seq_of_logit):
-        first_kept[seq] = min(first_kept[seq], row)
-    num_kept = [end - first for end, first in zip(ends, first_kept)]
-    if sum(num_kept) == ends[-1] or 0 in num_kept[: metadata.num_decode_seqs]:
-        return None
-    tail_metadata, rows = metadata.suffixes(num_kept)
-    # a sequence's skipped rows all precede its kept ones: a kept row moves back by the rows
-    # skipped up to its sequence's first kept row
-    skipped = list(itertools.accumulate(first - start for first, start in zip(first_kept, starts)))
-    renumbered = [row - skipped[seq] for row, seq in zip(logit_indices, seq_of_logit)]
-    return OutputTail(tail_metadata, rows, torch.tensor(renumbered, dtype=torch.long, device=rows.device))

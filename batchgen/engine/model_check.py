@@ -5,11 +5,13 @@ feature batchgen does not compute (`models.refused_feature`: ALiBi, chunked atte
 asks its attention for one in a one-token probe step through transformers' forward
 (`UnsupportedAttention` from the attention function names it: a mask of the model's own, an
 unknown keyword); the probe leaves a layer's K/V unwritten (a layer whose attention does not go
-through transformers' attention interface). The probe also records the `AttentionVariant` each
-layer asks for (its sliding window, soft-cap, sinks): the fused step computes the same ones.
+through transformers' attention interface). The probe also records each layer's scale and
+`AttentionVariant` (its sliding window, soft-cap, sinks): the fused step computes the same ones.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -19,22 +21,29 @@ from batchgen.kernels.attention_kernel import AttentionVariant
 from batchgen.models import kv_cache_shape, refused_feature
 
 
+class LayerAttention(NamedTuple):
+    """What one layer's attention computes: softmax(scale * q.k) v as `variant` changes it."""
+
+    scale: float
+    variant: AttentionVariant
+
+
 class RecordingBackend(ReferenceBackend):
-    """The reference backend, keeping each layer's variant (by its cache's place in `k_caches`)."""
+    """The reference backend, keeping each layer's `LayerAttention` (by its cache's place in `k_caches`)."""
 
     def __init__(self, k_caches: list[torch.Tensor]):
         self.k_caches = k_caches
-        self.variants: dict[int, AttentionVariant] = {}
+        self.layers: dict[int, LayerAttention] = {}
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out, variant):
         layer = next(index for index, cache in enumerate(self.k_caches) if cache is k_cache)
-        self.variants[layer] = variant
+        self.layers[layer] = LayerAttention(scale, variant)
         super().forward(q, k, v, k_cache, v_cache, meta, scale, out, variant)
 
 
 @torch.inference_mode()
-def check_attention(model) -> list[AttentionVariant]:
-    """Each layer's `AttentionVariant`; `UnsupportedAttention` naming what `model` needs and
+def check_attention(model) -> list[LayerAttention]:
+    """Each layer's `LayerAttention`; `UnsupportedAttention` naming what `model` needs and
     batchgen does not compute (see the module docstring). The model runs batchgen's attention
     from here on."""
     model.set_attn_implementation(register())
@@ -59,4 +68,4 @@ def check_attention(model) -> list[AttentionVariant]:
     if skipped:
         raise UnsupportedAttention(f"layers {skipped} of {type(model).__name__} do not run their attention through "
                                    "transformers' attention interface, which batchgen's paged K/V pool needs")
-    return [backend.variants[layer] for layer in range(num_layers)]
+    return [backend.layers[layer] for layer in range(num_layers)]

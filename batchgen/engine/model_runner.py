@@ -71,11 +71,13 @@ class ModelRunner:
         self.device = model.device
         self.block_size = config.block_size
         self.spec = KVCacheSpec.from_model(model)
-        variants = check_attention(model)  # refuses what batchgen cannot run exactly
-        self.fused = FusedDecoder.build(model, config.quantization, variants) if config.fused_step else None
+        attention = check_attention(model)  # refuses what batchgen cannot run exactly
+        self.fused = FusedDecoder.build(model, config.quantization, attention) if config.fused_step else None
         self.num_blocks = self._num_blocks(config)
         self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
-        is_graphed = config.cuda_graphs and self.device.type == "cuda" and self.backend.captures_decode
+        # the decode kernels that run without a host value: plain attention only (no window, soft-cap, sinks)
+        is_graphed = (config.cuda_graphs and self.device.type == "cuda" and self.backend.captures_decode
+                      and all(layer.variant.is_full for layer in attention))
         num_pool_blocks = self.num_blocks + is_graphed  # the graphs' scratch block past the pool
         shape = (num_pool_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]

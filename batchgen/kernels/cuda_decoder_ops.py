@@ -36,6 +36,7 @@ except ImportError:
     triton = None
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FEATURES = frozenset()  # a Llama step's ops only (`model_specs.ModelSpec.features`)
 SILU_BLOCK = 1024  # elements of a row per SiLU * up program
 
 

@@ -18,6 +18,8 @@ from batchgen.kernels.c_library import load_library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 DTYPES = tuple(DTYPE_CODES)  # the dtypes these ops take (as `cuda_decoder_ops.DTYPES`)
+# what a family's fused step may need beyond a Llama step (`model_specs.ModelSpec.features`): all of it
+FEATURES = frozenset({"norm", "parallel", "activation", "scales", "post_norms", "qk_norm", "moe", "rotary"})
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 NORM_KINDS = {"rms_scaled": 0, "layer": 1}  # add_norm's kinds (decoder_ops.c's NORM_*)
 QK_NORM_KINDS = {"rms": 0, "rms_scaled": 1}  # rope_write_kv's (QK_NORM_*)

@@ -113,9 +113,6 @@ def test_build_leaves_the_model_untouched_and_refuses_what_it_cannot_run():
     assert FusedDecoder.build(model) is not None
     assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
     assert FusedDecoder.build(copy.deepcopy(model).to(torch.float16)) is None
-    gelu = tiny_model()
-    gelu.config.hidden_act = "gelu"
-    assert FusedDecoder.build(gelu) is None
     other = tiny_model()
     other.config.model_type = "gemma"
     assert FusedDecoder.build(other) is None

@@ -82,7 +82,7 @@ def test_only_the_decoder_layers_are_quantized_once_at_load():
     before = {name: p.clone() for name, p in model.state_dict().items()}
     fused = FusedDecoder.build(model, "int8")
     assert all(weight.int8 is not None and weight.int8.activations_quantized
-               for layer in fused.layers for weight in (layer.qkv, layer.o, layer.gate_up, layer.down))
+               for layer in fused.layers for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out))
     assert fused.lm_head.int8 is None
     assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
     assert not FusedDecoder.build(model, "int8-weight").layers[0].qkv.int8.activations_quantized
