@@ -4,6 +4,8 @@
 - "random-smollm2": a randomly initialised LlamaForCausalLM with SmolLM2-135M's shapes (same
   speed as the real model), for machines without the default model's package.
 - "random-tiny": a 2-layer model with a 512-token vocabulary, for smoke tests.
+- `family_config(family, dims)`: a config of any family batchgen runs (a transformers
+  model_type) at the given dimensions, local layers windowed where the family has them.
 
 Random models come with a word-level tokenizer over their vocabulary ("w<id>"), EOS id 2.
 """
@@ -11,6 +13,7 @@ Random models come with a word-level tokenizer over their vocabulary ("w<id>"), 
 from __future__ import annotations
 
 import torch
+import transformers
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -55,3 +58,60 @@ def lowest_plain_token_id(tokenizer) -> int:
     """The smallest id above every special token's id: benchmark prompts use ids from there up."""
     special_ids = [i for i in tokenizer.all_special_ids if i is not None]
     return max(special_ids, default=-1) + 1
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3", "olmo2",
+            "granite", "gpt2", "gpt_oss", "stablelm", "falcon", "gpt_neox", "phi")
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+
+
+def family_config(family: str, dims: dict, window: int) -> transformers.PretrainedConfig:
+    """A config of `family` with `dims` (vocab_size, hidden_size, intermediate_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, max_position_embeddings and any
+    shared keys such as token ids): layers alternate local (a sliding window of `window`) and
+    global where the family has both, every layer windowed where it has one window; mixtures of
+    experts run EXPERTS_PER_TOKEN of NUM_EXPERTS experts each as wide as intermediate_size /
+    EXPERTS_PER_TOKEN (the active products of the dense MLP); families without GQA keep every
+    KV head; Gemma 2's soft-caps are low enough to bend the scores."""
+    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
+    local_global = ["sliding_attention", "full_attention"] * (dims["num_hidden_layers"] // 2)
+    moe = dict(num_experts_per_tok=EXPERTS_PER_TOKEN, output_router_logits=False)
+    expert_width = dims["intermediate_size"] // EXPERTS_PER_TOKEN
+    mha = {key: value for key, value in dims.items() if key != "num_key_value_heads"}
+    builders = {
+        "llama": lambda: transformers.LlamaConfig(**dims),
+        "mistral": lambda: transformers.MistralConfig(**dims, sliding_window=window),
+        "qwen2": lambda: transformers.Qwen2Config(**dims),
+        "qwen3": lambda: transformers.Qwen3Config(**dims, head_dim=head_dim),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**dims, **moe, head_dim=head_dim, num_experts=NUM_EXPERTS,
+                                                         moe_intermediate_size=expert_width),
+        "mixtral": lambda: transformers.MixtralConfig(**{**dims, "intermediate_size": expert_width}, **moe,
+                                                      num_local_experts=NUM_EXPERTS, sliding_window=window),
+        "gemma2": lambda: transformers.Gemma2Config(**dims, head_dim=head_dim, sliding_window=window,
+                                                    query_pre_attn_scalar=head_dim, attn_logit_softcapping=2.0,
+                                                    final_logit_softcapping=3.0, layer_types=local_global),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(**dims, head_dim=head_dim, sliding_window=window,
+                                                             query_pre_attn_scalar=head_dim, layer_types=local_global),
+        "phi3": lambda: transformers.Phi3Config(**dims),
+        "olmo2": lambda: transformers.Olmo2Config(**dims),
+        "granite": lambda: transformers.GraniteConfig(**dims, embedding_multiplier=2.0, attention_multiplier=0.3,
+                                                      residual_multiplier=0.5, logits_scaling=4.0),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=dims["vocab_size"], n_embd=dims["hidden_size"],
+                                                n_layer=dims["num_hidden_layers"], n_head=dims["num_attention_heads"],
+                                                n_inner=dims["intermediate_size"],
+                                                n_positions=dims["max_position_embeddings"],
+                                                **{key: dims[key] for key in ("eos_token_id", "bos_token_id",
+                                                                              "initializer_range") if key in dims}),
+        "gpt_oss": lambda: transformers.GptOssConfig(**{**dims, "intermediate_size": expert_width}, **moe,
+                                                     head_dim=head_dim, num_local_experts=NUM_EXPERTS,
+                                                     sliding_window=window, layer_types=local_global,
+                                                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                      "factor": 4.0, "beta_fast": 32.0,
+                                                                      "beta_slow": 1.0, "truncate": False,
+                                                                      "original_max_position_embeddings": 512}),
+        "stablelm": lambda: transformers.StableLmConfig(**dims),
+        "falcon": lambda: transformers.FalconConfig(**{k: v for k, v in mha.items() if k != "intermediate_size"}),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**mha, rotary_pct=0.25),
+        "phi": lambda: transformers.PhiConfig(**mha, partial_rotary_factor=0.5),
+    }
+    return builders[family]()

@@ -16,7 +16,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.kernels.attention import UnsupportedAttention, layer_variant
 from batchgen.models import max_context_len
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_tokenizer
-from tests.tiny_families import FAMILIES, WINDOW, family_config, tiny_family_model
+from tests.tiny_families import FAMILIES, WINDOW, tiny_family_config, tiny_family_model
 
 MAX_TOKENS = 12
 
@@ -55,7 +55,7 @@ def test_greedy_equals_transformers_generate(family, fused):
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "gpt_oss"])
 def test_a_sliding_window_does_not_limit_the_context(family):
-    assert max_context_len(family_config(family)) == 2048
+    assert max_context_len(tiny_family_config(family)) == 2048
 
 
 def test_a_length_dependent_rotary_scaling_limits_the_context_to_the_original():
