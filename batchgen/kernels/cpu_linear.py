@@ -67,17 +67,19 @@ def bucketed(num_rows: int, bucket: int) -> int:
     return -(-num_rows // bucket) * bucket
 
 
-def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                 quantization: str = "none") -> PackedWeight:
+def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None], quantization: str = "none",
+                 input_absmax: torch.Tensor | None = None) -> PackedWeight:
     """The row-wise concatenation of `weights` (and of their biases, all given or all None),
     packed once: one product computes all of them. A bf16 weight the kernel takes is packed for
     it, and for oneDNN too where the kernel runs only small products (on AMX: both copies).
-    With `quantization` (``int8``, ``int8-weight``) it is quantized instead (`int8_linear`)."""
+    With `quantization` (``int8``, ``int8-weight``) it is quantized instead (`int8_linear`), its
+    inputs smoothed where their calibrated ranges (`input_absmax`) are given."""
     weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     out_features, in_features = weight.shape
     if quantization != "none":
-        return PackedWeight(None, None, 0, bias, out_features, int8=quantize_weight(weight, quantization))
+        return PackedWeight(None, None, 0, bias, out_features,
+                            int8=quantize_weight(weight, quantization, input_absmax))
     if weight.device.type != "cpu":
         return PackedWeight(None, None, 0, bias, out_features, dense=weight)
     on_kernel = weight.dtype == torch.bfloat16 and bf16_gemm.takes(in_features)

@@ -41,8 +41,8 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if library is None or not library.bg_int8_gemm_available():
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.bg_int8_linear.argtypes = [pointer, size, size, size, pointer, pointer, size, pointer, pointer, pointer,
-                                       pointer, size, pointer, ctypes.c_int]
+    library.bg_int8_linear.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer,
+                                       pointer, pointer, size, pointer, ctypes.c_int]
     library.bg_int8_linear.restype = None
     return library
 
@@ -85,9 +85,10 @@ def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
-           bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows quantized per token in the
-    same call, where ``weight = values * scales[:, None]`` and ``pack(values) = (panels, compensation)``."""
+           bias: torch.Tensor | None, out_features: int, smoothing: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows (times `smoothing`, float32
+    per input, where given) quantized per token in the same call, where ``weight / smoothing =
+    values * scales[:, None]`` and ``pack(values) = (panels, compensation)``."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -95,7 +96,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
     scratch = torch.empty(m * (k_padded + 4), dtype=torch.int8)  # the rows' int8 values, then their float32 scales
     out = x.new_empty((m, out_features))
     with profiler_span(INT8_LINEAR_SPAN):
-        _library().bg_int8_linear(x.data_ptr(), x.stride(0), m, k, scratch.data_ptr(),
+        _library().bg_int8_linear(x.data_ptr(), x.stride(0), m, k, None if smoothing is None else smoothing.data_ptr(),
+                                  scratch.data_ptr(),
                                   scratch.data_ptr() + m * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
                                   compensation.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
                                   out.data_ptr(), torch.get_num_threads())

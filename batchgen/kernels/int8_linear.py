@@ -3,17 +3,19 @@ the activations per token at run time.
 
 Two modes (`QUANTIZATION_MODES`, the engine's `quantization` option):
 
-- ``int8`` (W8A8): ``x @ weight.T`` as ``(q(x) . values) * x_scale * weight_scale``, the int8
-  products summed exactly in int32. On a CPU with AVX512-VNNI or AMX-INT8, `int8_gemm`'s C
-  kernel; elsewhere (CUDA) ``torch._int_mm``. Both compute exactly the same values.
+- ``int8`` (W8A8): ``x @ weight.T`` as ``(q(x * smoothing) . values) * x_scale * weight_scale``,
+  the int8 products summed exactly in int32; `smoothing` (SmoothQuant's, from the inputs' ranges
+  in a calibration pass) moves outlier input channels' range into the weights. On a CPU with
+  AVX512-VNNI or AMX-INT8, `int8_gemm`'s C kernel; elsewhere (CUDA) ``torch._int_mm``. Both
+  compute exactly the same values.
 - ``int8-weight`` (weight only): the activations stay bf16; each product reads int8 weights and
   bf16 per-channel scales through torch's ``_weight_int8pack_mm`` on a CPU (its scales are
   bf16, so the weight is quantized against its bf16-rounded scale), and a dequantized copy of
   each product's weight on CUDA.
 
 Invariants:
-- `quantize_weight` keeps ``|values| <= 127`` and ``weight ~= values * scales[:, None]`` with
-  each channel's largest magnitude at +-127 (a channel of zeros: values 0, scale 0); the model's
+- `quantize_weight` keeps ``|values| <= 127`` and ``weight / smoothing ~= values * scales[:, None]``
+  with each channel's largest magnitude at +-127 (a channel of zeros: values 0, scale 0); the model's
   own weights are not changed.
 - `quantize_rows` is the same per-token quantization for any device: ``q = round(x * (127 /
   max|x|))`` to nearest even, ``scale = max|x| / 127``, a row of zeros giving q = 0, scale 0.
@@ -32,29 +34,47 @@ from batchgen.kernels import int8_gemm
 QUANTIZATION_MODES = ("none", "int8", "int8-weight")
 INT8_MAX = 127
 CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA takes products of more than 16 rows
+SMOOTHING_ALPHA = 0.5  # the share of an input channel's range moved into its weights (docs/performance.md)
+SMOOTHING_LIMIT = 100.0  # the largest factor an input is scaled by, either way
+SMOOTHING_FLOOR = 1e-5  # ranges below this count as this (a channel never seen active)
 
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """One quantized weight: ``weight ~= values * scales[:, None]`` ([n, k] int8, [n] scales),
-    and the C kernel's copy of `values` where it runs the products (`panels`, `compensation`)."""
+    """One quantized weight: ``weight / smoothing ~= values * scales[:, None]`` ([n, k] int8, [n]
+    scales; `smoothing` [k] where given, else 1), and the C kernel's copy of `values` where it
+    runs the products (`panels`, `compensation`)."""
 
     values: torch.Tensor | None  # [n, k] int8; None where the C kernel holds the only copy
     scales: torch.Tensor  # [n] float32 (int8) or bfloat16 (int8-weight)
     activations_quantized: bool  # W8A8 (True) or weight only
     panels: torch.Tensor | None = None  # int8_gemm.pack's layout
     compensation: torch.Tensor | None = None
+    smoothing: torch.Tensor | None = None  # [k] float32: W8A8 inputs are multiplied by it before quantizing
 
 
-def quantize_weight(weight: torch.Tensor, mode: str) -> Int8Weight:
+def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor | None = None) -> Int8Weight:
     """`weight` [n, k] quantized for `mode` (``int8`` or ``int8-weight``), packed for the C
-    kernel where it runs W8A8 products (a bf16 weight on a CPU that has it)."""
-    values, scales = quantized_channels(weight, mode)
+    kernel where it runs W8A8 products (a bf16 weight on a CPU that has it). For ``int8`` with
+    `input_absmax` (the largest |input| per input channel seen in calibration), the inputs are
+    smoothed (`smoothing_of`)."""
+    smoothing = None if mode != "int8" or input_absmax is None else smoothing_of(weight, input_absmax)
+    values, scales = quantized_channels(weight if smoothing is None else weight.float() / smoothing, mode)
     on_kernel = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and int8_gemm.is_available()
     if mode == "int8" and on_kernel:
         panels, compensation = int8_gemm.pack(values)
-        return Int8Weight(None, scales, True, panels, compensation)
-    return Int8Weight(values, scales, mode == "int8")
+        return Int8Weight(None, scales, True, panels, compensation, smoothing)
+    return Int8Weight(values, scales, mode == "int8", smoothing=smoothing)
+
+
+def smoothing_of(weight: torch.Tensor, input_absmax: torch.Tensor) -> torch.Tensor:
+    """SmoothQuant's per-input multipliers (float32 [k]): ``max|W[:, j]| ** (1 - alpha) /
+    input_absmax[j] ** alpha``, within [1 / SMOOTHING_LIMIT, SMOOTHING_LIMIT]: an input channel
+    whose activations run large is scaled down before the per-token quantization (and its
+    weights up), so a few outlier channels do not set every token's scale."""
+    weight_absmax = weight.detach().float().abs().amax(dim=0).clamp(min=SMOOTHING_FLOOR)
+    multipliers = weight_absmax ** (1 - SMOOTHING_ALPHA) / input_absmax.float().clamp(min=SMOOTHING_FLOOR) ** SMOOTHING_ALPHA
+    return multipliers.clamp(1 / SMOOTHING_LIMIT, SMOOTHING_LIMIT).to(weight.device)
 
 
 def quantized_channels(weight: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +101,11 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     """``x @ weight.T + bias`` for a 2-D `x` (see the module docstring for how)."""
     out_features = len(weight.scales)
     if weight.panels is not None:
-        return int8_gemm.linear(x, weight.panels, weight.compensation, weight.scales, bias, out_features)
+        return int8_gemm.linear(x, weight.panels, weight.compensation, weight.scales, bias, out_features,
+                                weight.smoothing)
     if not weight.activations_quantized:
         return weight_only_linear(x, weight, bias)
-    q, x_scales = quantize_rows(x)
+    q, x_scales = quantize_rows(x if weight.smoothing is None else x.float() * weight.smoothing)
     sums = _int_mm(q, weight.values.T)
     out = sums.float() * (x_scales[:, None] * weight.scales[None, :])
     return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -28,10 +28,11 @@ def random_bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  smoothing: torch.Tensor | None = None) -> torch.Tensor:
     """The same W8A8 product through torch._int_mm (the path of devices without the kernel)."""
-    values, scales = int8_linear.quantized_channels(weight, "int8")
-    return int8_linear.int8_linear(x, int8_linear.Int8Weight(values, scales, True), bias)
+    values, scales = int8_linear.quantized_channels(weight if smoothing is None else weight.float() / smoothing, "int8")
+    return int8_linear.int8_linear(x, int8_linear.Int8Weight(values, scales, True, smoothing=smoothing), bias)
 
 
 def test_pack_places_each_column_quad_in_its_panel(build):
@@ -72,6 +73,30 @@ def test_a_product_of_no_rows_is_empty_and_strided_rows_are_read_right():
     assert int8_linear.int8_linear(random_bf16(0, 64, seed=1), packed, None).shape == (0, 100)
     x = random_bf16(64, 20, seed=2).T  # 20 rows, not contiguous
     assert torch.equal(int8_linear.int8_linear(x, packed, None), torch_product(x.contiguous(), weight, None))
+
+
+@pytest.mark.parametrize("rows", [1, 33, 300])
+def test_smoothed_linear_equals_torch_int_mm_of_the_same_smoothing(rows):
+    weight, bias = random_bf16(100, 578, seed=0), random_bf16(100, seed=1)
+    x = random_bf16(rows, 578, seed=2)
+    input_absmax = x.float().abs().amax(dim=0) * torch.linspace(0.5, 50, 578)
+    packed = int8_linear.quantize_weight(weight, "int8", input_absmax)
+    assert packed.smoothing is not None and packed.panels is not None
+    assert torch.equal(packed.smoothing, int8_linear.smoothing_of(weight, input_absmax))
+    assert torch.equal(int8_linear.int8_linear(x, packed, bias), torch_product(x, weight, bias, packed.smoothing))
+
+
+def test_smoothing_moves_an_outlier_channels_range_into_the_weights():
+    weight = random_bf16(64, 128, seed=0)
+    x = random_bf16(40, 128, seed=1)
+    x[:, 7] *= 200  # an outlier input channel, as a model's activations have
+    exact = x.float() @ weight.float().T
+    input_absmax = x.float().abs().amax(dim=0)
+    smoothed = int8_linear.int8_linear(x, int8_linear.quantize_weight(weight, "int8", input_absmax), None).float()
+    plain = int8_linear.int8_linear(x, int8_linear.quantize_weight(weight, "int8"), None).float()
+    multipliers = int8_linear.smoothing_of(weight, input_absmax)
+    assert multipliers[7] < multipliers.median() / 10
+    assert (smoothed - exact).norm() < (plain - exact).norm() / 3
 
 
 def test_the_quantized_product_is_near_the_bf16_product():

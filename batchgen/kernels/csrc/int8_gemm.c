@@ -6,9 +6,10 @@
  *   bg_int8_gemm_panel_columns   output columns per panel of the weight layout (96; 32 on the
  *                                AMX path)
  *   bg_int8_linear               out[m, n] = bf16(float(q[m] . w[n]) * (x_scale[m] * w_scale[n])
- *                                + bias[n]), where q[r] = round(x[r] * (127 / max|x[r]|)) (to
- *                                nearest even) and x_scale[r] = max|x[r]| / 127: each row of x
- *                                quantized symmetric, per token; the int32 sum is exact, the
+ *                                + bias[n]), where, with y[r] = x[r] * smoothing (float32, per
+ *                                input; none where no smoothing is given), q[r] = round(y[r] *
+ *                                (127 / max|y[r]|)) (to nearest even) and x_scale[r] = max|y[r]|
+ *                                / 127: each row quantized symmetric, per token; the int32 sum is exact, the
  *                                scaling two float32 products (no fused multiply-add: the build
  *                                has -ffp-contract=off), the bias one float32 addition, rounded
  *                                to nearest even once
@@ -82,16 +83,23 @@ static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Colum
     _mm256_mask_storeu_epi16(out + col, columns.mask, (__m256i)_mm512_cvtneps_pbh(value));
 }
 
-static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, int64_t q_length, float *scale) {
+/* x[i, i + 16) as float32, each times smoothing[i] where it is given. */
+static inline __m512 input_at(const uint16_t *x, const float *smoothing, int64_t i, __mmask16 mask) {
+    __m512 value = bf16_to_float(x + i, mask);
+    return smoothing != 0 ? _mm512_mul_ps(value, _mm512_maskz_loadu_ps(mask, smoothing + i)) : value;
+}
+
+static void quantize_row(const uint16_t *x, const float *smoothing, int64_t k, int8_t *q, int64_t q_length,
+                         float *scale) {
     __m512 peak = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16)
-        peak = _mm512_max_ps(peak, _mm512_abs_ps(bf16_to_float(x + i, column_mask(i, k))));
+        peak = _mm512_max_ps(peak, _mm512_abs_ps(input_at(x, smoothing, i, column_mask(i, k))));
     float absmax = _mm512_reduce_max_ps(peak);
     float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
     *scale = absmax / 127.0f;
     for (int64_t i = 0; i < k; i += 16) {
         __mmask16 mask = column_mask(i, k);
-        __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_float(x + i, mask), _mm512_set1_ps(inverse)));
+        __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(input_at(x, smoothing, i, mask), _mm512_set1_ps(inverse)));
         _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtsepi32_epi8(rounded)); /* a narrowing store to memory is slow */
     }
     for (int64_t i = k; i < q_length; i++) q[i] = 0;
@@ -277,12 +285,14 @@ int bg_int8_gemm_available(void) { return 1; }
 
 int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
 
-/* x [m, k] bf16 rows of row stride x_stride, quantized into q [m, k_padded] and x_scales [m]
+/* x [m, k] bf16 rows of row stride x_stride, each input i times smoothing[i] (float32 [k], or NULL
+ * for none), quantized into q [m, k_padded] and x_scales [m]
  * (scratch the caller allocates; k_padded a multiple of INPUT_MULTIPLE, >= k); weight packed as
  * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
  * sum); bias [n] bf16 or NULL; out [m, n] bf16. Each thread quantizes a share of the rows, then
  * all compute their panels. m may be 0: nothing is computed. */
-void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int8_t *q, float *x_scales,
+void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const float *smoothing, int8_t *q,
+                    float *x_scales,
                     int64_t k_padded, const int8_t *weight, const float *w_scales, const int32_t *compensation,
                     const uint16_t *bias, int64_t n, uint16_t *out, int num_threads) {
     if (m < 1) return;
@@ -293,7 +303,7 @@ void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, i
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
         for (int64_t r = m * thread / team; r < m * (thread + 1) / team; r++)
-            quantize_row(x + r * x_stride, k, q + r * k_padded, k_padded, x_scales + r);
+            quantize_row(x + r * x_stride, smoothing, k, q + r * k_padded, k_padded, x_scales + r);
 #pragma omp barrier
         panel_range(q, x_scales, m, k_padded, weight, w_scales, compensation, bias, n, out, panels * thread / team,
                     panels * (thread + 1) / team);
