@@ -43,7 +43,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from batchgen.engine import calibration
 from batchgen.engine.model_check import LayerAttention, check_attention
 from batchgen.engine.model_specs import LayerWeights, Linear, ModelSpec, ModelWeights, Norm, read_model
 from batchgen.engine.moe_layer import MoeLayer
@@ -93,8 +95,13 @@ def add_norm(ops, out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | N
         ops.add_norm(out, residual, x, norm.weight, norm.bias, norm.eps, norm.kind)
 
 
-def pack(linear: Linear | None, quantization: str) -> PackedWeight | None:
-    return None if linear is None else pack_weights([linear.weight], [linear.bias], quantization)
+def pack(linear: Linear | None, quantization: str,
+         input_ranges: dict[nn.Module, torch.Tensor] | None = None) -> PackedWeight | None:
+    """`linear` packed (quantized), its int8 inputs smoothed where `input_ranges` holds its source's."""
+    if linear is None:
+        return None
+    input_absmax = None if input_ranges is None else input_ranges.get(linear.source)
+    return pack_weights([linear.weight], [linear.bias], quantization, input_absmax)
 
 
 @dataclass
@@ -115,7 +122,7 @@ class FusedLayer:
 
     @classmethod
     def of(cls, layer: LayerWeights, spec: ModelSpec, attention: LayerAttention, rotary_key: str | None,
-           quantization: str) -> FusedLayer:
+           quantization: str, input_ranges: dict[nn.Module, torch.Tensor] | None) -> FusedLayer:
         qk_norm = None
         if layer.q_norm is not None:
             q_norm, k_norm = FusedNorm.of(layer.q_norm, spec), FusedNorm.of(layer.k_norm, spec)
@@ -123,8 +130,8 @@ class FusedLayer:
                                          "rms" if spec.norm_kind == "rms" else "rms_scaled", q_norm.eps)
         norms = [FusedNorm.of(norm, spec) for norm in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                                                        layer.mlp_out_norm)]
-        return cls(pack(layer.qkv, quantization), pack(layer.o, quantization), pack(layer.mlp_in, quantization),
-                   pack(layer.mlp_out, quantization), layer.moe, *norms, qk_norm, attention.scale,
+        products = [pack(linear, quantization, input_ranges) for linear in layer.products]
+        return cls(*products, layer.moe, *norms, qk_norm, attention.scale,
                    attention.variant, rotary_key)
 
 
@@ -157,7 +164,10 @@ class FusedDecoder:
         self.ops = ops
         self.weights = weights
         self.spec = weights.spec
-        self.layers = [FusedLayer.of(layer, weights.spec, layer_attention, key, quantization)
+        sources = [linear.source for layer in weights.layers for linear in layer.products
+                   if linear is not None and linear.source is not None]
+        ranges = calibration.input_ranges(model, sources) if quantization == "int8" else None
+        self.layers = [FusedLayer.of(layer, weights.spec, layer_attention, key, quantization, ranges)
                        for layer, layer_attention, key in zip(weights.layers, attention, weights.rotary_keys)]
         self.final_norm = FusedNorm.of(weights.final_norm, weights.spec)
         self.lm_head = pack(weights.lm_head, "none")

@@ -59,14 +59,16 @@ class Norm:
 
 @dataclass(frozen=True)
 class Linear:
-    """weight [out, in] and bias [out] (or None)."""
+    """weight [out, in] and bias [out] (or None), and the module whose input it takes (a merged
+    product's first module; int8 calibration reads that input's range)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
+    source: nn.Module | None = None
 
     @classmethod
     def of(cls, module: nn.Module) -> Linear:
-        return cls(module.weight.detach(), None if module.bias is None else module.bias.detach())
+        return cls(module.weight.detach(), None if module.bias is None else module.bias.detach(), module)
 
     @classmethod
     def merged(cls, modules: list[nn.Module]) -> Linear:
@@ -74,11 +76,11 @@ class Linear:
         parts = [cls.of(module) for module in modules]
         biases = [part.bias for part in parts]
         return cls(torch.cat([part.weight for part in parts]),
-                   None if biases[0] is None else torch.cat(biases))
+                   None if biases[0] is None else torch.cat(biases), modules[0])
 
     def rows(self, order: torch.Tensor) -> Linear:
         """These rows in `order`."""
-        return Linear(self.weight[order], None if self.bias is None else self.bias[order])
+        return Linear(self.weight[order], None if self.bias is None else self.bias[order], self.source)
 
 
 @dataclass
@@ -97,6 +99,11 @@ class LayerWeights:
     mlp_out_norm: Norm | None
     q_norm: Norm | None = None
     k_norm: Norm | None = None
+
+    @property
+    def products(self) -> tuple[Linear | None, Linear, Linear | None, Linear | None]:
+        """qkv, o, mlp_in, mlp_out: the products the fused step packs, in that order."""
+        return (self.qkv, self.o, self.mlp_in, self.mlp_out)
 
 
 @dataclass(frozen=True)

@@ -9,28 +9,32 @@ import pytest
 import torch
 from torch import nn
 
+from batchgen.engine import calibration
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
 from batchgen.kernels import decoder_ops
-from batchgen.kernels.int8_linear import Int8Weight, int8_linear, quantized_channels
+from batchgen.kernels.int8_linear import Int8Weight, int8_linear, quantized_channels, smoothing_of
 from batchgen.options import OptionError
 from tests.conftest import prefill_placed_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not decoder_ops.is_available() or not torch.backends.mkldnn.is_available(),
                                 reason="no C compiler or oneDNN")
 PROMPT_LENS = [37, 5, 16, 70]
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PRODUCT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+PROJECTIONS = tuple(name for group in PRODUCT_GROUPS for name in group)
 
 
 class TorchInt8Linear(nn.Module):
-    """A linear layer computing `mode`'s quantization through `int8_linear`'s torch path."""
+    """A linear layer computing `mode`'s quantization through `int8_linear`'s torch path, its
+    inputs times `smoothing` where given."""
 
-    def __init__(self, linear: nn.Linear, mode: str):
+    def __init__(self, linear: nn.Linear, mode: str, smoothing: torch.Tensor | None):
         super().__init__()
-        values, scales = quantized_channels(linear.weight, mode)
-        self.weight = Int8Weight(values, scales, mode == "int8")
+        weight = linear.weight if smoothing is None else linear.weight.float() / smoothing
+        values, scales = quantized_channels(weight, mode)
+        self.weight = Int8Weight(values, scales, mode == "int8", smoothing=smoothing)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,14 +43,28 @@ class TorchInt8Linear(nn.Module):
 
 
 def with_torch_int8_linears(model, mode: str):
-    """A copy of `model` whose decoder layers' projections compute `mode` in torch (the LM head not)."""
+    """A copy of `model` whose decoder layers' projections compute `mode` in torch (the LM head
+    not); for int8, each group of projections that share an input (and a merged product in the
+    fused step) smoothed from the calibrated range of that input."""
+    ranges = calibration.input_ranges(model, [m for m in model.modules() if isinstance(m, nn.Linear)])
+    layer_ranges = ranges_layers(ranges, model)
     model = copy.deepcopy(model)
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
-                if hasattr(parent, name):
-                    setattr(parent, name, TorchInt8Linear(getattr(parent, name), mode))
+    for original, layer in zip(layer_ranges, model.model.layers):
+        for group in PRODUCT_GROUPS:
+            modules = [getattr(parent, name) for parent in (layer.self_attn, layer.mlp) for name in group
+                       if hasattr(parent, name)]
+            merged = torch.cat([module.weight for module in modules])
+            smoothing = smoothing_of(merged, original[group[0]]) if mode == "int8" else None
+            for name in group:
+                parent = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
+                setattr(parent, name, TorchInt8Linear(getattr(parent, name), mode, smoothing))
     return model
+
+
+def ranges_layers(ranges: dict[nn.Module, torch.Tensor], model) -> list[dict[str, torch.Tensor]]:
+    """Per decoder layer of `model` (before the copy): projection name -> its input's range."""
+    return [{name: ranges[getattr(parent, name)] for parent in (layer.self_attn, layer.mlp) for name in PROJECTIONS
+             if hasattr(parent, name)} for layer in model.model.layers]
 
 
 def step_logits(model, **options) -> torch.Tensor:
@@ -81,11 +99,24 @@ def test_only_the_decoder_layers_are_quantized_once_at_load():
     model = bf16_model()
     before = {name: p.clone() for name, p in model.state_dict().items()}
     fused = FusedDecoder.build(model, "int8")
-    assert all(weight.int8 is not None and weight.int8.activations_quantized
+    assert all(weight.int8 is not None and weight.int8.activations_quantized and weight.int8.smoothing is not None
                for layer in fused.layers for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out))
     assert fused.lm_head.int8 is None
     assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
-    assert not FusedDecoder.build(model, "int8-weight").layers[0].qkv.int8.activations_quantized
+    weight_only = FusedDecoder.build(model, "int8-weight").layers[0].qkv.int8
+    assert not weight_only.activations_quantized and weight_only.smoothing is None
+
+
+def test_calibration_is_deterministic_and_leaves_the_model_as_it_was():
+    model = bf16_model()
+    attention = model.config._attn_implementation
+    modules = [model.model.layers[0].self_attn.q_proj, model.model.layers[1].mlp.down_proj]
+    first, second = calibration.input_ranges(model, modules), calibration.input_ranges(model, modules)
+    assert list(first) == modules and all(torch.equal(first[m], second[m]) for m in modules)
+    assert first[modules[0]].shape == (64,) and first[modules[1]].shape == (128,)
+    assert first[modules[0]].dtype == torch.float32 and bool((first[modules[0]] > 0).all())
+    assert model.config._attn_implementation == attention
+    assert all(not module._forward_hooks for module in modules)
 
 
 def test_quantization_is_refused_where_it_cannot_run():
