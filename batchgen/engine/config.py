@@ -22,6 +22,7 @@ import torch
 from batchgen.options import OptionError, byte_size, check_options, device_name, int_at_least, one_of, option, or_null, true_or_false
 from batchgen.models import DTYPE_NAMES
 from batchgen.kernels.int8_linear import QUANTIZATION_MODES
+from batchgen.kernels.kv_int8 import KV_CACHE_DTYPES
 
 ATTENTION_BACKENDS = ("auto", "native", "reference")
 # A step's token budget by device type. On a 2-core CPU a 2,048-token chunk already runs its
@@ -46,6 +47,11 @@ class EngineConfig:
     kv_cache_memory: int | None = option(None, or_null(byte_size))
     """Bytes for the K/V pool, a number or a size such as `"512MiB"` or `"2GiB"`; null: 2 GiB on a CPU,
     85% of the free memory on CUDA (measured after a warm-up forward)."""
+    kv_cache_dtype: str = option("auto", one_of(*KV_CACHE_DTYPES))
+    """The K/V pool's number format: `auto` is the model's dtype; `int8` (CPU): each token's key and
+    value of each KV head as int8 with a float32 scale beside them, 1.88x the tokens in the same
+    memory at head_dim 64, dequantized where attention reads them. Opt-in: attention then differs
+    from the model's dtype's (quality and speed against it in the performance page)."""
     kv_cache_prefault: bool = option(False, true_or_false)
     """CPU: write the whole pool at start (as vLLM does), so no step waits on the OS for new pages;
     false writes each block just before its first use, so a small job does not wait for a pool it

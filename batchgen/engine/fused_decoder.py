@@ -50,7 +50,7 @@ from batchgen.engine.model_check import LayerAttention, check_attention
 from batchgen.engine.model_specs import LayerWeights, Linear, ModelSpec, ModelWeights, Norm, read_model
 from batchgen.engine.moe_layer import MoeLayer
 from batchgen.engine.output_tail import output_tail
-from batchgen.kernels import cuda_decoder_ops, decoder_ops
+from batchgen.kernels import cuda_decoder_ops, decoder_ops, kv_int8
 from batchgen.models import kv_cache_shape
 from batchgen.kernels.attention import AttentionStep
 from batchgen.kernels.attention_kernel import AttentionVariant
@@ -207,6 +207,7 @@ class FusedDecoder:
         rotations = self.rotations(rows.residual, positions)
         add_norm(ops, rows.normed, rows.residual, None, self.layers[0].attn_norm)
         keys = rows.residual.new_empty((num_tokens, self.num_kv_heads, self.head_dim))
+        kv_target = self.int8_kv_target(keys) if kv_int8.is_int8(step.k_caches[0]) else None
         value_start = (self.num_heads + self.num_kv_heads) * self.head_dim
         next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
         metadata = step.metadata
@@ -222,8 +223,11 @@ class FusedDecoder:
             with profiler_span(ATTENTION_SPAN):
                 cos, sin = rotations[layer.rotary_key]
                 qk_norm = {} if layer.qk_norm is None else {"qk_norm": layer.qk_norm}
-                ops.rope_write_kv(rows.heads, keys, k_cache, v_cache, qkv, cos, sin, metadata.slot_mapping, **qk_norm)
+                target_k, target_v, slots = kv_target or (k_cache, v_cache, metadata.slot_mapping)
+                ops.rope_write_kv(rows.heads, keys, target_k, target_v, qkv, cos, sin, slots, **qk_norm)
                 values = qkv[:num_tokens, value_start:].view(num_tokens, self.num_kv_heads, self.head_dim)
+                if kv_target is not None:
+                    kv_int8.store(keys, values, k_cache, v_cache, metadata.slot_mapping)
                 if index == len(self.layers) - 1 and tail is not None:
                     metadata, kept_rows = tail.metadata, tail.logit_indices
                     rows, keys, values = rows.select(tail.rows, self), keys[tail.rows], values[tail.rows]
@@ -238,6 +242,14 @@ class FusedDecoder:
                 attended = self.residual_part(self.mlp(rows.normed, layer, rows), layer.mlp_out_norm)
             add_norm(ops, rows.normed, rows.residual, attended, next_norm)
         return self.logits(rows.normed[kept_rows])
+
+    @staticmethod
+    def int8_kv_target(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the fused rotary pass stores K/V for an int8 pool, which `kv_int8.store` then
+        quantizes: a scratch pool of one slot per row of `keys` ([T, Hkv, D]), and those slots."""
+        num_tokens = len(keys)
+        scratch = keys.new_empty((2, num_tokens, 1, *keys.shape[1:]))
+        return scratch[0], scratch[1], torch.arange(num_tokens, device=keys.device)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The step's first residual rows, padded to a `bucketed` count."""

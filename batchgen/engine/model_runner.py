@@ -37,8 +37,9 @@ from batchgen.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.step import ScheduledStep
 from batchgen.engine.model_check import check_attention
-from batchgen.models import kv_bytes_per_token, kv_cache_shape, max_context_len
+from batchgen.models import kv_cache_shape, max_context_len
 from batchgen.kernels.attention import AttentionMetadata, AttentionStep, active_step, make_backend
+from batchgen.kernels import kv_int8
 from batchgen.kernels.cpu_linear import PackedLinears
 from batchgen.kernels.shared_prefixes import prefix_groups
 
@@ -52,15 +53,25 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's: attention computes in it
+    cache_dtype: torch.dtype  # the pool's: the model's, or int8 (`kv_int8`)
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one token's key (or value) of one KV head in the pool."""
+        return kv_int8.row_width(self.head_dim, self.cache_dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.cache_dtype.itemsize
 
     @classmethod
-    def from_model(cls, model) -> KVCacheSpec:
-        return cls(*kv_cache_shape(model.config.get_text_config()), model.dtype)
+    def from_model(cls, model, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+        """The pool of `model` in `kv_cache_dtype` (`EngineConfig.kv_cache_dtype`); int8 is refused off the CPU."""
+        if kv_cache_dtype == "int8" and model.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype: int8 runs on a CPU; this model is on {model.device.type}")
+        cache_dtype = torch.int8 if kv_cache_dtype == "int8" else model.dtype
+        return cls(*kv_cache_shape(model.config.get_text_config()), model.dtype, cache_dtype)
 
 
 class ModelRunner:
@@ -70,18 +81,20 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = config.block_size
-        self.spec = KVCacheSpec.from_model(model)
+        self.spec = KVCacheSpec.from_model(model, config.kv_cache_dtype)
         attention = check_attention(model)  # refuses what batchgen cannot run exactly
         self.fused = FusedDecoder.build(model, config.quantization, attention) if config.fused_step else None
         self.num_blocks = self._num_blocks(config)
-        self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim)
+        self.backend = make_backend(config.attention_backend, self.device, self.spec.dtype, self.spec.head_dim,
+                                    self.spec.cache_dtype)
         # the decode kernels that run without a host value: plain attention only (no window, soft-cap, sinks)
         is_graphed = (config.cuda_graphs and self.device.type == "cuda" and self.backend.captures_decode
                       and all(layer.variant.is_full for layer in attention))
         num_pool_blocks = self.num_blocks + is_graphed  # the graphs' scratch block past the pool
-        shape = (num_pool_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.k_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
-        self.v_caches = [torch.empty(shape, dtype=self.spec.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        shape = (num_pool_blocks, self.block_size, self.spec.num_kv_heads, self.spec.row_width)
+        dtype = self.spec.cache_dtype
+        self.k_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        self.v_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.spec.num_layers)]
         on_cpu = self.device.type == "cpu"
         self.num_written_blocks = 0 if on_cpu else self.num_blocks  # see _write_new_blocks; device memory needs none
         if on_cpu and config.kv_cache_prefault:

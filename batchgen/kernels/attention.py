@@ -30,7 +30,9 @@ shared prefix once: cascade; a gather + SDPA fallback where neither is available
 chunks in one call of the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
 float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
 head_dim 64, both kinds go through the AMX kernels (`amx_attention`), decode rows through the
-vector kernel's cascade where the AMX one does not apply.
+vector kernel's cascade where the AMX one does not apply. Over an int8 pool (`kv_int8`) every
+path gathers the rows it reads and dequantizes them: decode through the gather fallback, prefill
+through SDPA.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels import amx_attention, cpu_attention, kv_int8
 from batchgen.kernels.attention_kernel import FULL, AttentionKernel, AttentionVariant, PagedSeqs
+from batchgen.kernels.kv_int8 import readable
 from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 from batchgen.kernels.shared_prefixes import prefix_groups
@@ -210,14 +213,8 @@ class ReferenceBackend(AttentionBackend):
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
         for s, (start, end) in enumerate(zip(meta.query_start_loc[:-1], meta.query_start_loc[1:])):
             slots = context_slots(meta.block_tables_list[s], meta.context_lens_list[s], meta.block_size, q.device)
-            out[start:end] = attend_one_sequence(q[start:end], flat_k[slots], flat_v[slots], scale, variant)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, Hkv, D]) at their slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+            keys, values = readable(flat_k[slots], q.dtype), readable(flat_v[slots], q.dtype)
+            out[start:end] = attend_one_sequence(q[start:end], keys, values, scale, variant)
 
 
 _active_step: contextvars.ContextVar[AttentionStep | None] = contextvars.ContextVar("batchgen_step", default=None)
@@ -288,7 +285,7 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
-        write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
+        kv_int8.store(k, v, k_cache, v_cache, step.metadata.slot_mapping)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         out = torch.empty_like(q)
         step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale, out, variant)
@@ -315,7 +312,8 @@ class NativeBackend(AttentionBackend):
     prefix once for all its sequences (cascade attention). `prefill`, when given, attends every
     prefill chunk over the pool in one call; where it does not run them, SDPA does. Through
     SDPA, a prefill chunk with no cached context attends to its own new K/V without touching
-    the pool.
+    the pool (over an int8 pool it reads them as stored, so a prompt attends alike whether its
+    prefix was cached or not).
     """
 
     name = "native"
@@ -364,19 +362,19 @@ def attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scal
             continue
         start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
         num_context = meta.context_lens_list[s]
-        if num_context == end - start:
+        if num_context == end - start and not kv_int8.is_int8(k_cache):  # an int8 pool's rows are read as stored
             keys, values = k[start:end], v[start:end]
         else:
             slots = context_slots(meta.block_tables_list[s], num_context, meta.block_size, q.device)
-            keys, values = flat_k[slots], flat_v[slots]
+            keys, values = readable(flat_k[slots], q.dtype), readable(flat_v[slots], q.dtype)
         out[start:end] = prefill_sdpa(q[start:end], keys, values, scale, variant)
 
 
 def attend_prefill_batch(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, batch: PrefillBatch,
                          scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> None:
     """Causal attention of every chunk of `batch` over its cached context, in one call, into `out`."""
-    keys = flat_k[batch.slots].transpose(1, 2)  # [P, Hkv, Cm, D]
-    values = flat_v[batch.slots].transpose(1, 2)
+    keys = readable(flat_k[batch.slots], q.dtype).transpose(1, 2)  # [P, Hkv, Cm, D]
+    values = readable(flat_v[batch.slots], q.dtype).transpose(1, 2)
     queries = q[batch.rows].transpose(1, 2)  # [P, H, Qm, D]
     attended = variant_attention(queries, keys, values, batch.allowed(variant.window), scale,
                                  variant).transpose(1, 2)  # [P, Qm, H, D]
@@ -405,8 +403,8 @@ def gather_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_size, context_lens = k_cache.shape[1], seqs.context_lens
     positions = torch.arange(int(context_lens.max()), device=q.device)
     slots = padded_context_slots(seqs.block_tables, context_lens, len(positions), block_size)  # [S, L]
-    keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, Hkv, D]
-    values = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    keys = readable(k_cache.view(-1, *k_cache.shape[2:])[slots], q.dtype)  # [S, L, Hkv, D]
+    values = readable(v_cache.view(-1, *v_cache.shape[2:])[slots], q.dtype)
     allowed = positions[None, :] < context_lens[:, None]
     if variant.window:
         allowed &= positions[None, :] >= context_lens[:, None] - variant.window
@@ -416,13 +414,17 @@ def gather_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return True
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """"reference", "native", or "auto" (native with the device's fastest decode and prefill
-    kernels for `dtype` and `head_dim`)."""
+    kernels for `dtype` and `head_dim`, over a pool of `cache_dtype`, default `dtype`: an int8
+    pool's rows are gathered and dequantized, then attended by SDPA)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
+    if cache_dtype == torch.int8:
+        return NativeBackend(gather_decode)
     if device.type == "cpu" and cpu_attention.is_available():
         if amx_attention.supports(dtype, head_dim):
             return NativeBackend(amx_attention.paged_decode_attention, amx_attention.paged_prefill_attention,

@@ -1,0 +1,72 @@
+"""The int8 K/V cache: its rows, and every attention path reading them as they dequantize."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.kernels import kv_int8
+from batchgen.kernels.attention import AttentionMetadata, ReferenceBackend, make_backend
+
+
+def test_rows_hold_values_and_their_scale_and_dequantize_within_half_a_step():
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 5)[:, None, None]
+    x[2, 1] = 0
+    rows = kv_int8.quantize(x)
+    assert rows.dtype == torch.int8 and rows.shape == (5, 3, 64 + kv_int8.SCALE_BYTES)
+    scales = x.abs().amax(dim=-1) / 127
+    assert torch.equal(rows[..., 64:].contiguous().view(torch.float32)[..., 0], scales)
+    assert rows[..., :64].abs().amax(dim=-1)[scales > 0].eq(127).all() and not rows[2, 1].any()
+    back = kv_int8.dequantize(rows, torch.float32)
+    assert back.shape == x.shape and bool(((back - x).abs() <= scales[..., None] / 2 + 1e-7).all())
+    assert kv_int8.readable(x, torch.float32) is x
+
+
+def test_an_int8_pool_holds_about_twice_the_tokens_of_a_bf16_one():
+    assert kv_int8.row_width(64, torch.int8) * 1 / (kv_int8.row_width(64, torch.bfloat16) * 2) == 68 / 128
+    assert kv_int8.head_dim_of(torch.empty(2, 16, 3, 68, dtype=torch.int8)) == 64
+
+
+def paged_step(block_size: int = 16):
+    """A decode row and a prefill chunk over a pool of 8 blocks: (q, K, V per slot, metadata)."""
+    generator = torch.Generator().manual_seed(1)
+    context_lens, query_lens = [37, 20], [1, 12]
+    tables = [[5, 1, 7], [2, 3]]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([7 * block_size + 4] + [3 * block_size + p - 16 for p in range(8, 20)]),
+        query_start_loc=[0, 1, 13], query_lens=query_lens, context_lens_list=context_lens,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=torch.tensor([[5, 1, 7], [2, 3, 0]], dtype=torch.int32), block_tables_list=tables,
+        num_decode_seqs=1, block_size=block_size)
+    q = torch.randn(13, 6, 64, generator=generator).bfloat16()
+    k = torch.randn(8 * block_size, 2, 64, generator=generator).bfloat16()
+    v = torch.randn(8 * block_size, 2, 64, generator=generator).bfloat16()
+    return q, k, v, metadata
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "native"])
+def test_attention_over_an_int8_pool_is_attention_over_its_dequantized_rows(backend_name):
+    q, k, v, metadata = paged_step()
+    int8_k = kv_int8.quantize(k).view(8, 16, 2, 68)
+    int8_v = kv_int8.quantize(v).view(8, 16, 2, 68)
+    dequantized_k = kv_int8.dequantize(int8_k, torch.bfloat16)
+    dequantized_v = kv_int8.dequantize(int8_v, torch.bfloat16)
+    new_rows = metadata.slot_mapping
+    backend = make_backend(backend_name, torch.device("cpu"), torch.bfloat16, 64, torch.int8)
+    got = torch.empty_like(q)
+    backend.forward(q, k[new_rows], v[new_rows], int8_k, int8_v, metadata, 0.125, got)
+    expected = torch.empty_like(q)
+    ReferenceBackend().forward(q, None, None, dequantized_k, dequantized_v, metadata, 0.125, expected)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=2e-2)
+    unquantized = torch.empty_like(q)
+    ReferenceBackend().forward(q, None, None, k.view(8, 16, 2, 64), v.view(8, 16, 2, 64), metadata, 0.125, unquantized)
+    assert (got.float() - expected.float()).abs().max() < (got.float() - unquantized.float()).abs().max()
+
+
+def test_store_quantizes_new_rows_into_their_slots():
+    k, v = torch.randn(3, 2, 64).bfloat16(), torch.randn(3, 2, 64).bfloat16()
+    k_cache, v_cache = torch.zeros(4, 16, 2, 68, dtype=torch.int8), torch.zeros(4, 16, 2, 68, dtype=torch.int8)
+    kv_int8.store(k, v, k_cache, v_cache, torch.tensor([17, 0, 63]))
+    assert torch.equal(k_cache.view(-1, 2, 68)[[17, 0, 63]], kv_int8.quantize(k))
+    assert torch.equal(v_cache.view(-1, 2, 68)[[17, 0, 63]], kv_int8.quantize(v))
+    assert not k_cache.view(-1, 2, 68)[1:17].any()
