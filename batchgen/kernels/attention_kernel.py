@@ -31,7 +31,8 @@ from batchgen.kernels.kernel_status import check_status
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # attention_kernel.h's DTYPE_*
-C_ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2
+C_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+              + [ctypes.c_int] * 2)
 
 
 @dataclass(frozen=True)
@@ -139,15 +140,15 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 
 def c_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs, scale: float,
-                out: torch.Tensor) -> tuple:
+                out: torch.Tensor, variant: AttentionVariant = FULL) -> tuple:
     """A call's arguments in ``csrc/attention_kernel.h``'s order (`C_ARGTYPES`), on
-    ``torch.get_num_threads()`` threads."""
+    ``torch.get_num_threads()`` threads; `variant.sinks` must be a contiguous float32 CPU tensor."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     return (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
             seqs.context_lens.data_ptr(), _pointer(seqs.query_starts), _pointer(seqs.query_lens),
             _pointer(seqs.groups), len(seqs.context_lens), seqs.num_groups, q.shape[1], num_kv_heads, head_dim,
-            num_blocks, block_size, seqs.block_tables.shape[1], scale, DTYPE_CODES[q.dtype],
-            torch.get_num_threads())
+            num_blocks, block_size, seqs.block_tables.shape[1], scale, variant.window, variant.softcap,
+            _pointer(variant.sinks), DTYPE_CODES[q.dtype], torch.get_num_threads())
 
 
 def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k_cache: torch.Tensor,
@@ -155,9 +156,10 @@ def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k
                  variant: AttentionVariant = FULL) -> bool:
     """A call of the C kernel `entry` (None: not built here) under the contract: the inputs
     checked; False where a tensor is not a contiguous CPU tensor or the kernel does not run them."""
-    if entry is None or not variant.is_full:
+    if entry is None:
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
-    if not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors())):
+    sinks = [] if variant.sinks is None else [variant.sinks]
+    if not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors(), *sinks)):
         return False
-    return check_status(name, entry(*c_arguments(q, k_cache, v_cache, seqs, scale, out)))
+    return check_status(name, entry(*c_arguments(q, k_cache, v_cache, seqs, scale, out, variant)))

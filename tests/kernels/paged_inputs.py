@@ -9,8 +9,22 @@ import torch
 BLOCK_SIZE = 16
 
 
-def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Gather each sequence's K/V through its block table; softmax in float64."""
+def variant_softmax(scores, variant, positions, query_pos):
+    """Causal softmax over the last dim of float64 `scores` [H, Q, K] as `variant` changes it
+    (window, soft-cap, sinks; query_pos [Q, 1] against key positions [K])."""
+    if variant is not None and variant.softcap:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    scores = scores.masked_fill(positions[None] > query_pos, float("-inf"))
+    if variant is not None and variant.window:
+        scores = scores.masked_fill(positions[None] <= query_pos - variant.window, float("-inf"))
+    if variant is None or variant.sinks is None:
+        return torch.softmax(scores, -1)
+    sinks = variant.sinks.double().view(-1, 1, 1).expand(*scores.shape[:2], 1)
+    return torch.softmax(torch.cat([scores, sinks], -1), -1)[..., :-1]
+
+
+def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale, variant=None):
+    """Gather each sequence's K/V through its block table; softmax in float64 (as `variant` changes it)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -23,12 +37,14 @@ def reference_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
         keys = flat_k[slots].repeat_interleave(group, dim=1)  # [len, num_heads, head_dim]
         values = flat_v[slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale
-        out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
+        weights = variant_softmax(scores[:, None], variant, positions, positions[-1:, None])[:, 0]
+        out[s] = torch.einsum("hl,lhd->hd", weights, values)
     return out
 
 
-def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
-    """Causal attention of each sequence's last query_lens[s] positions over its context, float64."""
+def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, variant=None):
+    """Causal attention of each sequence's last query_lens[s] positions over its context, float64
+    (as `variant` changes it)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
     flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
@@ -42,8 +58,7 @@ def reference_prefill(q, k_cache, v_cache, block_tables, context_lens, query_len
         queries = q[sum(query_lens[:s]):sum(query_lens[:s + 1])].double()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
         query_pos = torch.arange(context - num_queries, context)[:, None]
-        scores = scores.masked_fill(positions[None] > query_pos, float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
+        outputs.append(torch.einsum("hqk,khd->qhd", variant_softmax(scores, variant, positions, query_pos), values))
     return torch.cat(outputs)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchgen.kernels import cpu_attention
-from batchgen.kernels.attention_kernel import PagedSeqs
+from batchgen.kernels.attention_kernel import AttentionVariant, PagedSeqs
 from tests.kernels.paged_inputs import (BLOCK_SIZE, make_inputs, reference_attention, reference_prefill,
                                        shared_prefix_inputs)
 
@@ -209,3 +209,45 @@ def test_prefill_declines_what_it_cannot_run(build):
     assert not cpu_attention.paged_prefill_attention(q, k_cache, v_cache, seqs, 0.1, torch.empty_like(q))  # head_dim 40
     q16, k16, v16 = (t.to(torch.float16) for t in (q, k_cache, v_cache))
     assert not cpu_attention.paged_prefill_attention(q16, k16, v16, seqs, 0.1, torch.empty_like(q16))
+
+
+def variants(num_heads: int) -> list[AttentionVariant]:
+    """A window shorter than a block and one across the kernels' 64-key chunks, a soft-cap, sinks,
+    and all three at once."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(41))
+    return [AttentionVariant(window=5), AttentionVariant(window=70), AttentionVariant(softcap=1.5),
+            AttentionVariant(sinks=sinks), AttentionVariant(window=40, softcap=2.0, sinks=sinks)]
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
+@pytest.mark.parametrize("variant_index", range(5))
+def test_decode_computes_windows_soft_caps_and_sinks(build, dtype, atol, rtol, variant_index):
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs(CONTEXT_LENS, num_heads, num_kv_heads, head_dim,
+                                                                  dtype, seed=42, pad=-1)
+    variant = variants(num_heads)[variant_index]
+    out = torch.full_like(q, float("nan"))
+    # groups are no help under a window: the kernel may ignore them, never misread them
+    groups = torch.tensor([[3, 5, 16]], dtype=torch.int32)
+    block_tables[4, :1] = block_tables[3, :1]
+    assert cpu_attention.paged_decode_attention(q, k_cache, v_cache, PagedSeqs(block_tables, context_lens, groups),
+                                                0.125, out, variant)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125, variant)
+    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[:2])
+@pytest.mark.parametrize("variant_index", range(5))
+def test_prefill_computes_windows_soft_caps_and_sinks(prefill_build, dtype, atol, rtol, variant_index):
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    context_lens, query_lens = [37, 57, 9, 150, 200], [37, 17, 1, 150, 79]
+    _, k_cache, v_cache, block_tables, contexts = make_inputs(context_lens, num_heads, num_kv_heads, head_dim,
+                                                              dtype, seed=43)
+    q = torch.randn((sum(query_lens), num_heads, head_dim), generator=torch.Generator().manual_seed(44)).to(dtype)
+    variant = variants(num_heads)[variant_index]
+    out = torch.full_like(q, float("nan"))
+    seqs = PagedSeqs(block_tables, contexts, query_starts=torch.tensor([0, 37, 54, 55, 205], dtype=torch.int32),
+                     query_lens=torch.tensor(query_lens, dtype=torch.int32))
+    assert cpu_attention.paged_prefill_attention(q, k_cache, v_cache, seqs, 0.125, out, variant)
+    expected = reference_prefill(q, k_cache, v_cache, block_tables, contexts, query_lens, 0.125, variant)
+    assert ((out.double() - expected).abs() <= atol + rtol * expected.abs()).all()

@@ -923,11 +923,12 @@ int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const
                             const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                             const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
                             int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                            int max_blocks, float scale, int dtype, int num_threads) {
+                            int max_blocks, float scale, int window, float softcap, const float *sinks,
+                            int dtype, int num_threads) {
     (void)query_starts, (void)query_lens; /* decode: query row s is sequence s's */
     int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || block_size % KEY_TILE || group < 1 || group > MAX_COLUMNS
-        || !amx_tiles_granted())
+        || window || softcap || sinks || !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
     DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                        block_tables, context_lens, num_heads, num_kv_heads, group, num_blocks, block_size,
@@ -954,8 +955,10 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                              const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
                              int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                             int max_blocks, float scale, int dtype, int num_threads) {
-    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || !amx_tiles_granted()) return STATUS_UNSUPPORTED;
+                             int max_blocks, float scale, int window, float softcap, const float *sinks,
+                             int dtype, int num_threads) {
+    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || window || softcap || sinks || !amx_tiles_granted())
+        return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f};
@@ -989,7 +992,9 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                              const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
                              int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                             int max_blocks, float scale, int dtype, int num_threads) {
+                             int max_blocks, float scale, int window, float softcap, const float *sinks,
+                             int dtype, int num_threads) {
+    (void)window, (void)softcap, (void)sinks;
     (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
     (void)query_lens, (void)groups, (void)num_seqs, (void)num_groups, (void)num_heads, (void)num_kv_heads;
     (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks, (void)scale, (void)dtype, (void)num_threads;
@@ -1000,7 +1005,9 @@ int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const
                             const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                             const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
                             int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                            int max_blocks, float scale, int dtype, int num_threads) {
+                            int max_blocks, float scale, int window, float softcap, const float *sinks,
+                            int dtype, int num_threads) {
+    (void)window, (void)softcap, (void)sinks;
     (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
     (void)query_lens, (void)groups, (void)num_seqs, (void)num_groups, (void)num_heads, (void)num_kv_heads;
     (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks, (void)scale, (void)dtype, (void)num_threads;

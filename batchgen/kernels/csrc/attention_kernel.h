@@ -15,6 +15,12 @@
  *                     A kernel may attend that prefix once for all of them (cascade) or ignore the
  *                     rows: the attention is the same.
  *
+ *   window            > 0: a query at position p attends only positions p - window + 1 .. p; 0: all
+ *   softcap           > 0: each scaled score x becomes softcap * tanh(x / softcap); 0: none
+ *   sinks             [num_heads] float32 or NULL: one more logit per query head in the softmax's
+ *                     denominator, with no value (attention sinks)
+ *   A kernel without code for a window, soft-cap or sinks returns STATUS_UNSUPPORTED.
+ *
  * Token position p of sequence s lives in slot
  *   block_tables[s][p / block_size] * block_size + p % block_size,
  * and query head h reads kv head h / (num_heads / num_kv_heads). A kernel returns a STATUS_*
@@ -34,7 +40,8 @@ typedef int AttentionKernel(void *out, const void *q, const void *k_cache, const
                             const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                             const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
                             int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                            int max_blocks, float scale, int dtype, int num_threads);
+                            int max_blocks, float scale, int window, float softcap, const float *sinks, int dtype,
+                            int num_threads);
 
 AttentionKernel bg_paged_decode_attention, bg_paged_prefill_attention; /* paged_attention.c */
 AttentionKernel bg_amx_decode_attention, bg_amx_prefill_attention;     /* amx_attention.c */

@@ -27,6 +27,12 @@
  * Math is float32 with an online softmax: scores are computed for a chunk of
  * tokens, then the running max, running sum and accumulators are updated
  * once per chunk. Every output element is written, or an error is returned.
+ *
+ * Variants (attention_kernel.h): a sliding window starts each query's keys at its window (decode
+ * rows skip the keys before it, prefill tiles start at their first row's window and mask the
+ * older keys of later rows; decode groups are ignored: a window leaves no prefix shared by every
+ * member's window); a soft-cap bends each chunk's scores before its softmax update; sinks start
+ * every query's softmax state at the sink's logit with a sum of 1 and no value.
  */
 #include <math.h>
 #include <omp.h>
@@ -62,6 +68,9 @@ typedef struct {
     float scale;
     const int32_t *prefix_lens; /* decode: [num_seqs] leading tokens already attended (0: none), or NULL */
     const float *state;         /* decode: [num_seqs, num_heads, head_dim + 2] max, sum, accumulator of them */
+    int window;                 /* the variant (attention_kernel.h) */
+    float softcap;
+    const float *sinks;
 } Problem;
 
 /* Per-thread scratch, in the decode layout below; the column code (prefill, cascade) lays q, acc,
@@ -83,6 +92,30 @@ typedef struct {
 } Scratch;
 
 static size_t element_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+
+/* The first position a query at `position` attends: its window's first (0 without a window). */
+static inline int window_start(const Problem *p, int position) {
+    return p->window > 0 && position >= p->window ? position - p->window + 1 : 0;
+}
+
+/* The soft-cap on n scores in place: x -> c tanh(x / c) with c = p->softcap, the scores in `units`
+ * per natural unit (1, or LOG2E for the column code's log2 units); tanh(y) = 1 - 2 / (e^2y + 1)
+ * through vector_expf, so the loop vectorizes (|y| clamped at 9, where tanh is 1 in float32). */
+static void cap_scores(const Problem *p, float *scores, int n, float units) {
+    if (p->softcap <= 0.0f) return;
+    float cap = p->softcap * units;
+    for (int i = 0; i < n; i++) {
+        float y = clamp(scores[i] / cap, -9.0f, 9.0f);
+        scores[i] = cap * (1.0f - 2.0f / (vector_expf(2.0f * y) + 1.0f));
+    }
+}
+
+/* A query head's softmax state before any key: its sink's logit (in `units` per natural unit)
+ * with a sum of 1, or empty. */
+static inline void start_state(const Problem *p, int head, float units, float *max, float *sum) {
+    *max = p->sinks ? p->sinks[head] * units : -INFINITY;
+    *sum = p->sinks ? 1.0f : 0.0f;
+}
 
 /* Return `n` elements at `src` as float32: `src` itself for float32 data,
  * otherwise `buf` filled with the converted values. */
@@ -245,6 +278,7 @@ static void attend_chunk(const Problem *p, int n, int first_kv_head, int num_kv,
         load_rows(p, p->k_cache, first_kv_head + i, n, s);
         score_chunk(d, i * per_kv, per_kv, n, s);
     }
+    for (int g = 0; g < num_kv * per_kv; g++) cap_scores(p, s->scores + g * CHUNK_TOKENS, n, 1.0f);
     update_softmax(d, num_kv * per_kv, n, s);
     for (int i = 0; i < num_kv; i++) {
         load_rows(p, p->v_cache, first_kv_head + i, n, s);
@@ -259,6 +293,7 @@ static int load_prefix_state(const Problem *p, int seq, Scratch *s) {
     reset_state(d, num_heads, s);
     for (int h = 0; h < num_heads; h++) {
         load_query(p, seq, h, h, s);
+        start_state(p, h, 1.0f, &s->max[h], &s->sum[h]);
         if (prefix > 0) {
             const float *state = p->state + ((int64_t)seq * num_heads + h) * (d + 2);
             s->max[h] = state[0], s->sum[h] = state[1];
@@ -278,7 +313,10 @@ static int attend_prefix_rows(const Problem *p, int first, int num_members, int 
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads, count = num_members * group;
     const int32_t *table = p->block_tables + (int64_t)first * p->max_blocks;
     reset_state(d, count, s);
-    for (int r = 0; r < count; r++) load_query(p, first + r / group, kv_head * group + r % group, r, s);
+    for (int r = 0; r < count; r++) {
+        load_query(p, first + r / group, kv_head * group + r % group, r, s);
+        start_state(p, kv_head * group + r % group, 1.0f, &s->max[r], &s->sum[r]);
+    }
     for (int pos = 0; pos < prefix; pos += CHUNK_TOKENS) {
         int n = prefix - pos < CHUNK_TOKENS ? prefix - pos : CHUNK_TOKENS;
         if (!resolve_slots(p, table, pos, n, s)) return STATUS_BAD_BLOCK_ID;
@@ -304,8 +342,8 @@ static int attend_seq(const Problem *p, int seq, Scratch *s) {
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int prefix = load_prefix_state(p, seq, s);
-    for (int pos = prefix; pos < context_len; pos += CHUNK_TOKENS) {
+    int prefix = load_prefix_state(p, seq, s), start = window_start(p, context_len - 1);
+    for (int pos = prefix > start ? prefix : start; pos < context_len; pos += CHUNK_TOKENS) {
         int n = context_len - pos < CHUNK_TOKENS ? context_len - pos : CHUNK_TOKENS;
         if (!resolve_slots(p, table, pos, n, s)) return STATUS_BAD_BLOCK_ID;
         attend_chunk(p, n, 0, p->num_kv_heads, num_heads / p->num_kv_heads, s);
@@ -398,6 +436,14 @@ static inline Vec vec_add(Vec a, Vec b) { return VEC_PS(add)(a, b); }
 static inline Vec vec_sub(Vec a, Vec b) { return VEC_PS(sub)(a, b); }
 static inline Vec vec_mul(Vec a, Vec b) { return VEC_PS(mul)(a, b); }
 static inline Vec vec_max(Vec a, Vec b) { return VEC_PS(max)(a, b); } /* b when either is NaN */
+/* x where it is finite or +inf, 0 where it is -inf. */
+static inline Vec vec_zero_if_minus_inf(Vec x) {
+#if defined(__AVX512F__)
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), x, _mm512_setzero_ps());
+#else
+    return _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+#endif
+}
 /* Elements i .. i + LANES - 1 of a float32 or bfloat16 row, as float32. */
 static inline Vec vec_load_row(const void *row, int i, int is_bf16) {
     return is_bf16 ? vec_load_bf16((const uint16_t *)row + i) : vec_load((const float *)row + i);
@@ -650,6 +696,7 @@ static void accumulate_chunk_bf16(const Problem *p, const Segment *segments, int
 static void plan_first_chunk(const Problem *p, int seq, Ahead *ahead) {
     int context_len = p->context_lens[seq], start = p->prefix_lens ? p->prefix_lens[seq] : 0;
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * p->block_size) return;
+    if (window_start(p, context_len - 1) > start) start = window_start(p, context_len - 1);
     plan_ahead(p, p->block_tables + (int64_t)seq * p->max_blocks, start,
                context_len - start < CHUNK_TOKENS ? context_len : start + CHUNK_TOKENS, ahead);
 }
@@ -668,14 +715,14 @@ static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s
     int context_len = p->context_lens[seq];
     if (context_len < 1 || context_len > (int64_t)p->max_blocks * bs) return STATUS_BAD_CONTEXT_LEN;
     const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-    int prefix = load_prefix_state(p, seq, s);
+    int prefix = load_prefix_state(p, seq, s), start = window_start(p, context_len - 1);
     int64_t row_stride = (int64_t)p->num_kv_heads * d * element_size(p->dtype);
     int group = num_heads / p->num_kv_heads;
     Segment segments[CHUNK_TOKENS];
     Ahead ahead;
     plan_first_chunk(p, seq, &ahead);
     fetch_ahead(&ahead, ahead.lines_left);
-    for (int pos = prefix; pos < context_len;) {
+    for (int pos = prefix > start ? prefix : start; pos < context_len;) {
         int n = 0, num_segments = next_chunk(p, table, &pos, context_len, segments, &n, &ahead);
         if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
         if (pos >= context_len && next_seq >= 0) plan_first_chunk(p, next_seq, &ahead);
@@ -690,6 +737,7 @@ static int attend_seq_vector(const Problem *p, int seq, int next_seq, Scratch *s
                                s->scores + h * CHUNK_TOKENS + segment->start + t0);
             }
         }
+        for (int h = 0; h < num_heads; h++) cap_scores(p, s->scores + h * CHUNK_TOKENS, n, 1.0f);
         update_softmax(d, num_heads, n, s);
         for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
             fetch_ahead(&ahead, ahead.lines_left / (p->num_kv_heads - kv_head));
@@ -831,6 +879,17 @@ static void mask_future_keys(int chunk_pos, int n, int first_pos, int group, int
     }
 }
 
+/* Key positions before a row's window get no weight: key chunk_pos + t is masked for rows
+ * r >= (chunk_pos + t + window - first_pos) * group (row r is the token at first_pos + r / group). */
+static void mask_old_keys(const Problem *p, int chunk_pos, int n, int first_pos, int group, int num_rows, int stride,
+                          Scratch *s) {
+    for (int t = 0; t < n; t++) {
+        int first_masked = (chunk_pos + t + p->window - first_pos) * group;
+        first_masked = first_masked < 0 ? 0 : first_masked;
+        for (int r = first_masked; r < num_rows; r++) s->scores[(size_t)t * stride + r] = -INFINITY;
+    }
+}
+
 /* 2^x for LANES floats x <= 0 (0 below EXP2_FLOOR, on AVX2 below EXP2_FLOOR + 1/2: what is lost
  * there is under 2^-126, against a softmax sum of at least 1; -inf included): x = n + f with n an
  * integer and |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1.3e-7), times
@@ -861,9 +920,10 @@ static inline __m512i weight_pairs16(__m512 w0, __m512 w1) {
 /* update_softmax over key-major scores (log2 units) of n keys, for row vectors 0 .. num_vecs:
  * per vector of LANES rows, the new running max, the rescale of the sum, the accumulator's factor
  * (into s->correction, for accumulate_columns to apply as it adds the chunk), and the weights 2^(score - max): as bf16 pairs into s->weight_pairs (key pair k at k * stride, 0 for
- * the second of an odd last key) when `as_pairs`, else over the scores. Key 0 is never masked,
- * so a row's running max is finite after its first chunk; padding rows get weights too, and are
- * never stored. */
+ * the second of an odd last key) when `as_pairs`, else over the scores. A row whose keys so far
+ * are all masked (by a window) keeps a max of -inf: its weights and correction are then taken
+ * against 0 (all 0) rather than against -inf (NaN). Padding rows get weights too, and are never
+ * stored. */
 static void softmax_columns(int num_vecs, int stride, int n, int as_pairs, Scratch *s) {
 #if !defined(__AVX512BF16__)
     (void)as_pairs; /* pairs come only from the bf16 dot path */
@@ -872,11 +932,12 @@ static void softmax_columns(int num_vecs, int stride, int n, int as_pairs, Scrat
         float *scores = s->scores + LANES * j;
         Vec old_max = vec_load(s->max + LANES * j), max = old_max;
         for (int t = 0; t < n; t++) max = vec_max(max, vec_load(scores + (size_t)t * stride));
-        Vec correction = exp2_vec(vec_sub(old_max, max));
+        Vec base = vec_zero_if_minus_inf(max);
+        Vec correction = exp2_vec(vec_sub(old_max, base));
         Vec sum = vec_mul(vec_load(s->sum + LANES * j), correction);
         for (int t = 0; t < n; t += 2) {
-            Vec first = exp2_vec(vec_sub(vec_load(scores + (size_t)t * stride), max));
-            Vec second = t + 1 < n ? exp2_vec(vec_sub(vec_load(scores + (size_t)(t + 1) * stride), max)) : vec_zero();
+            Vec first = exp2_vec(vec_sub(vec_load(scores + (size_t)t * stride), base));
+            Vec second = t + 1 < n ? exp2_vec(vec_sub(vec_load(scores + (size_t)(t + 1) * stride), base)) : vec_zero();
             sum = vec_add(vec_add(sum, first), second); /* key order, as one key at a time */
 #if defined(__AVX512BF16__)
             if (as_pairs) {
@@ -966,25 +1027,26 @@ static void accumulate_columns(const Problem *p, const float *weights, const cha
 
 /* Attention of a column tile: num_tokens consecutive packed q rows from first_row (a prefill
  * chunk's tokens, or the member sequences of a shared prefix), each with the query heads of
- * `kv_head`, over keys [0, key_end) of `table`; row token i sees keys up to position
- * first_pos + i. Leaves each row's softmax state in the scratch (column r: token r / group,
+ * `kv_head`, over keys [key_start, key_end) of `table`; row token i sees keys up to position
+ * first_pos + i (and from its window's first, with a window). Leaves each row's softmax state in the scratch (column r: token r / group,
  * head kv_head * group + r % group; s->acc is acc^T, [d][stride]).
  * `fetches_ahead`: ask for each next chunk while one is computed (a column tile's chunk is long
  * work, so its misses overlap it) where the keys come from memory, as a shared prefix's do. A
  * prefill tile's keys are mostly in cache (its chunk's own just written, the rest read by the
  * tiles before it), and asking again cost more than it saved: one 2048-token sequence bf16 took
  * 8.9 against 9.8 ms without. */
-static int attend_columns(const Problem *p, const int32_t *table, int key_end, int64_t first_row, int num_tokens,
-                          int first_pos, int kv_head, int fetches_ahead, Scratch *s) {
+static int attend_columns(const Problem *p, const int32_t *table, int key_start, int key_end, int64_t first_row,
+                          int num_tokens, int first_pos, int kv_head, int fetches_ahead, Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
     int num_rows = num_tokens * group, stride = PREFILL_TILE * group, num_vecs = (num_rows + LANES - 1) / LANES;
     reset_state(d, stride, s);
+    for (int r = 0; r < stride; r++) start_state(p, kv_head * group + r % group, LOG2E, &s->max[r], &s->sum[r]);
     load_queries_transposed(p, first_row, kv_head, num_rows, stride, s);
     int element_bytes = (int)element_size(p->dtype);
     int64_t row_stride = (int64_t)p->num_kv_heads * d * element_bytes, head_offset = (int64_t)kv_head * d * element_bytes;
     Segment segments[CHUNK_TOKENS];
     Ahead ahead;
-    for (int pos = 0; pos < key_end;) {
+    for (int pos = key_start; pos < key_end;) {
         int chunk_pos = pos, n = 0;
         int num_segments = next_chunk(p, table, &pos, key_end, segments, &n, &ahead);
         if (num_segments < 0) return STATUS_BAD_BLOCK_ID;
@@ -992,7 +1054,9 @@ static int attend_columns(const Problem *p, const int32_t *table, int key_end, i
         for (int i = 0; i < num_segments; i++)
             score_columns(p, segments[i].keys + head_offset, row_stride, segments[i].length, num_vecs, stride, s,
                           s->scores + (size_t)segments[i].start * stride);
+        cap_scores(p, s->scores, n * stride, LOG2E);
         mask_future_keys(chunk_pos, n, first_pos, group, num_rows, stride, s);
+        if (p->window > 0) mask_old_keys(p, chunk_pos, n, first_pos, group, num_rows, stride, s);
         softmax_columns(num_vecs, stride, n, uses_bf16_dot(p), s);
 #if defined(__AVX512BF16__)
         if (p->dtype == DTYPE_BF16) {
@@ -1027,8 +1091,8 @@ static int attend_prefill_tile(const Problem *p, int seq, int query_start, int q
         return STATUS_BAD_CONTEXT_LEN;
     int num_tokens = query_len - tile_start < PREFILL_TILE ? query_len - tile_start : PREFILL_TILE;
     int first_pos = context_len - query_len + tile_start;
-    int code = attend_columns(p, p->block_tables + (int64_t)seq * p->max_blocks, first_pos + num_tokens,
-                              query_start + tile_start, num_tokens, first_pos, kv_head, 0, s);
+    int code = attend_columns(p, p->block_tables + (int64_t)seq * p->max_blocks, window_start(p, first_pos),
+                              first_pos + num_tokens, query_start + tile_start, num_tokens, first_pos, kv_head, 0, s);
     if (code != STATUS_OK) return code;
     size_t row_bytes = (size_t)d * element_size(p->dtype);
     for (int r = 0; r < num_tokens * group; r++) {
@@ -1045,7 +1109,7 @@ static int attend_prefill_tile(const Problem *p, int seq, int query_start, int q
 static int attend_shared_prefix(const Problem *p, int first, int num_members, int prefix, int kv_head, float *state,
                                 Scratch *s) {
     int d = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    int code = attend_columns(p, p->block_tables + (int64_t)first * p->max_blocks, prefix, first, num_members,
+    int code = attend_columns(p, p->block_tables + (int64_t)first * p->max_blocks, 0, prefix, first, num_members,
                               prefix - 1, kv_head, 1, s);
     if (code != STATUS_OK) return code;
     for (int r = 0; r < num_members * group; r++) {
@@ -1144,15 +1208,18 @@ int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, con
                               const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                               const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
                               int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                              int max_blocks, float scale, int dtype, int num_threads) {
+                              int max_blocks, float scale, int window, float softcap, const float *sinks,
+                int dtype, int num_threads) {
     (void)query_starts, (void)query_lens; /* decode: query row s is sequence s's */
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return STATUS_UNSUPPORTED;
 #endif
     if (dtype < DTYPE_F32 || dtype > DTYPE_F16) return STATUS_UNSUPPORTED;
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL,
+                 window, softcap, sinks};
     if (!groups_are_valid(&p, groups, num_groups)) return STATUS_BAD_GROUP;
+    if (window > 0) num_groups = 0; /* no prefix lies in every member's window */
     int is_vector = is_vector_problem(&p), group = num_heads / num_kv_heads;
     int num_tiles = 0, status = STATUS_OK;
     int32_t *tiles = NULL, *prefix_lens = NULL;
@@ -1231,10 +1298,12 @@ int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, co
                                const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
                                const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
                                int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                               int max_blocks, float scale, int dtype, int num_threads) {
+                               int max_blocks, float scale, int window, float softcap, const float *sinks,
+                int dtype, int num_threads) {
     (void)groups, (void)num_groups; /* each chunk attends its whole context itself */
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL};
+                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL,
+                 window, softcap, sinks};
     if (!is_vector_problem(&p)) return STATUS_UNSUPPORTED;
     int num_tiles = 0;
     for (int seq = 0; seq < num_seqs; seq++) {
