@@ -30,9 +30,9 @@ shared prefix once: cascade; a gather + SDPA fallback where neither is available
 chunks in one call of the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
 float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
 head_dim 64, both kinds go through the AMX kernels (`amx_attention`), decode rows through the
-vector kernel's cascade where the AMX one does not apply. Over an int8 pool (`kv_int8`) every
-path gathers the rows it reads and dequantizes them: decode through the gather fallback, prefill
-through SDPA.
+vector kernel's cascade where the AMX one does not apply. Over an int8 pool (`kv_int8`) decode
+rows run on `kv_int8`'s C kernel, which dequantizes the rows as it reads them; prefill chunks (and
+decode rows where that kernel does not run) gather the rows and dequantize them for SDPA.
 """
 
 from __future__ import annotations
@@ -417,14 +417,14 @@ def gather_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
                  cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """"reference", "native", or "auto" (native with the device's fastest decode and prefill
-    kernels for `dtype` and `head_dim`, over a pool of `cache_dtype`, default `dtype`: an int8
-    pool's rows are gathered and dequantized, then attended by SDPA)."""
+    kernels for `dtype` and `head_dim`, over a pool of `cache_dtype`, default `dtype`; an int8
+    pool's decode rows through `kv_int8`'s kernel, its prefill chunks through SDPA)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
     if cache_dtype == torch.int8:
-        return NativeBackend(gather_decode)
+        return NativeBackend(kv_int8.paged_decode_attention)
     if device.type == "cpu" and cpu_attention.is_available():
         if amx_attention.supports(dtype, head_dim):
             return NativeBackend(amx_attention.paged_decode_attention, amx_attention.paged_prefill_attention,

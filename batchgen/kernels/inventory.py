@@ -23,7 +23,8 @@ import torch
 import transformers
 
 from batchgen import models
-from batchgen.kernels import amx_attention, bf16_gemm, c_library, cpu_attention, decoder_ops, int8_gemm, sampling_ops
+from batchgen.kernels import (amx_attention, bf16_gemm, c_library, cpu_attention, decoder_ops, int8_gemm, kv_int8,
+                              sampling_ops)
 from batchgen.kernels.attention import NativeBackend, make_backend
 
 PACKAGE_DIR = Path(__file__).parent.parent  # the batchgen package this module belongs to
@@ -63,6 +64,8 @@ C_KERNELS = (
     CKernel("sampling_ops.c", "argmax sampling", lambda: sampling_ops.load_build() is not None),
     CKernel("bf16_gemm.c", "bfloat16 GEMM", bf16_gemm.is_available, "AVX512-BF16"),
     CKernel("int8_gemm.c", "int8 GEMM (quantization: int8)", int8_gemm.is_available, "AVX512-VNNI"),
+    CKernel("kv_int8_attention.c", "decode attention over an int8 K/V pool (kv_cache_dtype: int8)",
+            kv_int8.is_available, "AVX-512 and AVX512-BF16"),
 )
 
 

@@ -13,11 +13,21 @@ Invariants:
   values satisfy ``|values| <= 127``.
 - `readable` gives a gathered cache's rows as the dtype the attention computes in: a float
   cache's as they are, an int8 cache's dequantized (float32 products, then rounded to `dtype`).
+- `paged_decode_attention` follows `attention_kernel`'s contract over an int8 pool (bf16
+  queries, C on AVX-512 with AVX512-BF16): the attention of the dequantized rows, up to the
+  order of float32 sums; it returns False, writing nothing, where it does not run.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
+
+from batchgen.kernels.attention_kernel import FULL, AttentionVariant, PagedSeqs
+from batchgen.kernels.c_library import load_library
+from batchgen.kernels.kernel_status import check_status
 
 KV_CACHE_DTYPES = ("auto", "int8")  # the engine option's values: auto is the model's dtype
 SCALE_BYTES = 4
@@ -68,3 +78,35 @@ def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k, v = quantize(k), quantize(v)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = load_library("kv_int8_attention.c")
+    if library is None or not library.bg_kv_int8_attention_available():
+        return None
+    library.bg_kv_int8_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float,
+                                                                                                  ctypes.c_int]
+    return library
+
+
+def is_available() -> bool:
+    """Whether this machine's build holds the int8 decode kernel."""
+    return _library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
+                           scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
+    """Decode rows over an int8 pool (`attention_kernel`'s contract, the pool's rows
+    [.., head_dim + SCALE_BYTES]); shared-prefix groups are ignored."""
+    library = _library()
+    tensors = (q, k_cache, v_cache, out, *seqs.tensors())
+    if (library is None or not variant.is_full or not is_int8(k_cache) or q.dtype != torch.bfloat16
+            or not all(t.is_cpu and t.is_contiguous() for t in tensors)):
+        return False
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    status = library.bg_kv_int8_decode_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
+        seqs.context_lens.data_ptr(), len(seqs.context_lens), q.shape[1], num_kv_heads, head_dim_of(k_cache),
+        num_blocks, block_size, seqs.block_tables.shape[1], scale, torch.get_num_threads())
+    return check_status("kv_int8 paged_decode_attention", status)

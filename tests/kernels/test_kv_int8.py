@@ -70,3 +70,48 @@ def test_store_quantizes_new_rows_into_their_slots():
     assert torch.equal(k_cache.view(-1, 2, 68)[[17, 0, 63]], kv_int8.quantize(k))
     assert torch.equal(v_cache.view(-1, 2, 68)[[17, 0, 63]], kv_int8.quantize(v))
     assert not k_cache.view(-1, 2, 68)[1:17].any()
+
+
+needs_kernel = pytest.mark.skipif(not kv_int8.is_available(), reason="no C compiler or no AVX512-BF16")
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 128, 32),
+                                                                           (8, 1, 32, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_kernel_is_the_attention_of_the_dequantized_rows(num_heads, num_kv_heads, head_dim, block_size,
+                                                                 threads):
+    from batchgen.kernels.attention import gather_decode
+    from batchgen.kernels.attention_kernel import PagedSeqs
+    from tests.conftest import torch_threads
+
+    generator = torch.Generator().manual_seed(head_dim)
+    num_blocks, context_lens = 40, [1, 17, 200, block_size, 95]
+    pool = kv_int8.quantize(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator) * 3)
+    tables = torch.randperm(num_blocks, generator=generator)[:35].view(5, 7).to(torch.int32)
+    tables[2] = torch.arange(7, dtype=torch.int32)  # 200 tokens of block_size 8 need 25 blocks: bigger sizes only
+    seqs = PagedSeqs(tables, torch.tensor([min(c, 7 * block_size) for c in context_lens], dtype=torch.int32))
+    q = torch.randn(5, num_heads, head_dim, generator=generator).bfloat16()
+    got, expected = torch.empty_like(q), torch.empty_like(q.float())
+    with torch_threads(threads):
+        assert kv_int8.paged_decode_attention(q, pool[0], pool[1], seqs, head_dim ** -0.5, got)
+    # the same attention in float32 (the rows dequantized to float32), then rounded to bf16 once
+    assert gather_decode(q.float(), pool[0], pool[1], seqs, head_dim ** -0.5, expected)
+    torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_kernel_declines_what_it_does_not_run_and_names_a_bad_block():
+    from batchgen.kernels.attention_kernel import AttentionVariant, PagedSeqs
+
+    pool = kv_int8.quantize(torch.randn(2, 4, 16, 2, 64))
+    seqs = PagedSeqs(torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32))
+    q = torch.randn(1, 4, 64).bfloat16()
+    out = torch.zeros_like(q)
+    assert not kv_int8.paged_decode_attention(q.float(), pool[0], pool[1], seqs, 0.1, out.float())
+    assert not kv_int8.paged_decode_attention(q, pool[0], pool[1], seqs, 0.1, out, AttentionVariant(window=4))
+    assert not kv_int8.paged_decode_attention(q, pool[0].bfloat16(), pool[1].bfloat16(), seqs, 0.1, out)
+    assert not out.any()
+    bad = PagedSeqs(torch.tensor([[0, 9]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block table entry"):
+        kv_int8.paged_decode_attention(q, pool[0], pool[1], bad, 0.1, out)
