@@ -9,7 +9,9 @@ bfloat16 on this machine, one engine per mode over the same loaded weights:
   KL(bf16 || mode) in nats, from the float32 log-softmax of each mode's logits, and each mode's
   perplexity of the texts.
 - **Greedy agreement** on the peer workloads (`--workloads`, `scripts/bench_workloads.py`): the
-  share of output tokens equal to bf16's at the same position, and of rows equal throughout.
+  share of output tokens equal to bf16's at the same position, of rows equal throughout, and of
+  rows whose first output token is bf16's (their prompts are random token ids: once a row's
+  token differs, the rest of it follows another text).
 - **Multiple choice**: the 200-question 5-shot task of `scripts/bench_scoring.py`, each
   question's four continuations scored by `LLM.score`; the accuracy, against bf16's.
 
@@ -44,6 +46,8 @@ MODES = {  # mode name -> engine options; "bf16" is the reference
     "bf16": {},
     "int8": {"quantization": "int8"},
     "int8-weight": {"quantization": "int8-weight"},
+    "int8-kv": {"kv_cache_dtype": "int8"},
+    "int8+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
 KV_CACHE_BYTES = 2**30
 NUM_SHOTS = 5
@@ -97,7 +101,9 @@ def greedy_agreement(llms: dict[str, LLM], workload_names: list[str], vocab_size
             equal = sum(a == b for ref, row in zip(reference, rows) for a, b in zip(ref, row))
             total = sum(len(ref) for ref in reference)
             results[name][mode] = {"token_agreement": equal / total,
-                                   "row_agreement": sum(ref == row for ref, row in zip(reference, rows)) / len(rows)}
+                                   "row_agreement": sum(ref == row for ref, row in zip(reference, rows)) / len(rows),
+                                   "first_token_agreement": sum(ref[0] == row[0] for ref, row in zip(reference, rows))
+                                   / len(rows)}
     return results
 
 
