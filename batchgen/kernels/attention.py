@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from batchgen.kernels import amx_attention, cpu_attention, kv_int8
 from batchgen.kernels.attention_kernel import FULL, AttentionKernel, AttentionVariant, PagedSeqs
@@ -259,11 +260,16 @@ def layer_variant(module, attention_mask, dropout: float, kwargs: dict) -> Atten
 
 
 def unstepped_attention(module):
-    """The attention `module` runs outside a batchgen step: its family's eager attention where
-    transformers' SDPA does not compute every variant (soft-cap, sinks), else SDPA."""
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    needs_eager = getattr(module, "sinks", None) is not None or getattr(module, "attn_logit_softcapping", None)
-    return eager if eager is not None and needs_eager else sdpa_attention_forward
+    """The attention `module` runs outside a batchgen step: its family's eager attention (every
+    variant: soft-cap, sinks), else SDPA; both take `batchgen_mask`'s additive mask."""
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
+
+
+def batchgen_mask(*args, **kwargs):
+    """The mask transformers builds for a model running batchgen's attention: none inside a
+    batchgen step (its layout is the mask), else eager attention's (causal, sliding windows,
+    padding), so that the model's own `generate` stays exact."""
+    return None if _active_step.get() is not None else eager_mask(*args, **kwargs)
 
 
 def batchgen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -293,12 +299,10 @@ def batchgen_attention(module, query, key, value, attention_mask, scaling=None, 
 
 
 def register() -> str:
-    """Register batchgen's attention with transformers; returns its name.
-
-    An attention name transformers has no mask function for gets no dense mask built: the
-    layout in AttentionMetadata is the mask.
-    """
+    """Register batchgen's attention and its mask function (`batchgen_mask`) with transformers;
+    returns their name."""
     AttentionInterface.register(ATTENTION_NAME, batchgen_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, batchgen_mask)
     return ATTENTION_NAME
 
 
@@ -310,20 +314,22 @@ class NativeBackend(AttentionBackend):
     `decode` runs the decode rows (`decode_fallback` where it does not run them); when
     `shares_prefixes`, their `decode_groups` go with them and a kernel may read a group's shared
     prefix once for all its sequences (cascade attention). `prefill`, when given, attends every
-    prefill chunk over the pool in one call; where it does not run them, SDPA does. Through
-    SDPA, a prefill chunk with no cached context attends to its own new K/V without touching
-    the pool (over an int8 pool it reads them as stored, so a prompt attends alike whether its
-    prefix was cached or not).
+    prefill chunk over the pool in one call; where it does not run them, `variant_prefill` does
+    for a layer whose variant SDPA computes slowly or not at all (a window, soft-cap or sinks),
+    else SDPA. Through SDPA, a prefill chunk with no cached context attends to its own new K/V
+    without touching the pool (over an int8 pool it reads them as stored, so a prompt attends
+    alike whether its prefix was cached or not).
     """
 
     name = "native"
 
     def __init__(self, decode: AttentionKernel, prefill: AttentionKernel | None = None,
-                 decode_fallback: AttentionKernel | None = None, shares_prefixes: bool = False,
-                 captures_decode: bool = False):
+                 decode_fallback: AttentionKernel | None = None, variant_prefill: AttentionKernel | None = None,
+                 shares_prefixes: bool = False, captures_decode: bool = False):
         self.decode = decode
         self.prefill = prefill
         self.decode_fallback = decode_fallback
+        self.variant_prefill = variant_prefill
         self.shares_prefixes = shares_prefixes
         self.captures_decode = captures_decode
 
@@ -333,9 +339,11 @@ class NativeBackend(AttentionBackend):
         num_decode = meta.num_decode_seqs
         if num_decode:
             self.attend_decode(q[:num_decode], k_cache, v_cache, meta.decode_seqs, scale, result[:num_decode], variant)
-        if num_decode < len(meta.query_lens) and (self.prefill is None or not self.prefill(
-                q, k_cache, v_cache, meta.prefill_seqs, scale, result, variant)):
-            attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result, variant)
+        if num_decode < len(meta.query_lens):
+            kernels = (self.prefill,) if variant.is_full else (self.prefill, self.variant_prefill)
+            if not any(kernel is not None and kernel(q, k_cache, v_cache, meta.prefill_seqs, scale, result, variant)
+                       for kernel in kernels):
+                attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result, variant)
         if result is not out:
             out.copy_(result)
 
@@ -428,9 +436,11 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
     if device.type == "cpu" and cpu_attention.is_available():
         if amx_attention.supports(dtype, head_dim):
             return NativeBackend(amx_attention.paged_decode_attention, amx_attention.paged_prefill_attention,
-                                 decode_fallback=cpu_attention.paged_decode_attention, shares_prefixes=True)
+                                 decode_fallback=cpu_attention.paged_decode_attention,
+                                 variant_prefill=cpu_attention.paged_prefill_attention, shares_prefixes=True)
         prefill = cpu_attention.paged_prefill_attention if cpu_attention.prefill_is_preferred(dtype) else None
-        return NativeBackend(cpu_attention.paged_decode_attention, prefill, shares_prefixes=True)
+        return NativeBackend(cpu_attention.paged_decode_attention, prefill,
+                             variant_prefill=cpu_attention.paged_prefill_attention, shares_prefixes=True)
     if device.type == "cuda":
         from batchgen.kernels import cuda_attention
 
