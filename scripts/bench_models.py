@@ -71,12 +71,12 @@ def family_config(family: str, dims: dict, window: int) -> transformers.Pretrain
     shared keys such as token ids): layers alternate local (a sliding window of `window`) and
     global where the family has both, every layer windowed where it has one window; mixtures of
     experts run EXPERTS_PER_TOKEN of NUM_EXPERTS experts each as wide as intermediate_size /
-    EXPERTS_PER_TOKEN (the active products of the dense MLP); families without GQA keep every
-    KV head; Gemma 2's soft-caps are low enough to bend the scores."""
+    NUM_EXPERTS (the dense MLP's weights, split); families without GQA keep every KV head;
+    Gemma 2's soft-caps are low enough to bend the scores."""
     head_dim = dims["hidden_size"] // dims["num_attention_heads"]
     local_global = ["sliding_attention", "full_attention"] * (dims["num_hidden_layers"] // 2)
     moe = dict(num_experts_per_tok=EXPERTS_PER_TOKEN, output_router_logits=False)
-    expert_width = dims["intermediate_size"] // EXPERTS_PER_TOKEN
+    expert_width = dims["intermediate_size"] // NUM_EXPERTS
     mha = {key: value for key, value in dims.items() if key != "num_key_value_heads"}
     builders = {
         "llama": lambda: transformers.LlamaConfig(**dims),

@@ -131,8 +131,8 @@ class FusedLayer:
         norms = [FusedNorm.of(norm, spec) for norm in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                                                        layer.mlp_out_norm)]
         products = [pack(linear, quantization, input_ranges) for linear in layer.products]
-        return cls(*products, layer.moe, *norms, qk_norm, attention.scale,
-                   attention.variant, rotary_key)
+        moe = None if layer.moe is None else MoeLayer(layer.moe)
+        return cls(*products, moe, *norms, qk_norm, attention.scale, attention.variant, rotary_key)
 
 
 def fused_ops(device: torch.device):

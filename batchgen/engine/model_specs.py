@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from batchgen.engine.moe_layer import MoeLayer
+from batchgen.engine.moe_layer import MoeWeights
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "granite", "phi3", "olmo2", "gemma2",
               "gemma3_text", "gpt_oss", "stablelm")
@@ -92,7 +92,7 @@ class LayerWeights:
     o: Linear
     mlp_in: Linear | None
     mlp_out: Linear | None
-    moe: MoeLayer | None
+    moe: MoeWeights | None
     attn_norm: Norm | None
     attn_out_norm: Norm | None
     mlp_norm: Norm | None
@@ -229,7 +229,7 @@ def llama_like_layer(layer) -> LayerWeights:
     attention, mlp = layer.self_attn, layer.mlp
     qkv = (Linear.of(attention.qkv_proj) if hasattr(attention, "qkv_proj")
            else Linear.merged([attention.q_proj, attention.k_proj, attention.v_proj]))
-    moe = MoeLayer.of(mlp) if hasattr(mlp, "experts") else None
+    moe = MoeWeights.of(mlp) if hasattr(mlp, "experts") else None
     mlp_in = mlp_out = None
     if moe is None:
         mlp_in = (Linear.of(mlp.gate_up_proj) if hasattr(mlp, "gate_up_proj")

@@ -3,44 +3,68 @@
 The family's own router module picks each row's experts and their weights (Qwen3-MoE and
 Mixtral: softmax then top-k, renormalized as the config says; gpt-oss: top-k then softmax), so
 routing is transformers' to the bit. The step's (row, expert) pairs are then sorted by expert
-(stable: rows in order within an expert) and each of the experts' two products is one
-`grouped_mm` over all of them, with the family's activation between (SiLU(gate) * up on halves;
-gpt-oss' clamped, interleaved GLU, its own method). Each row's expert outputs, scaled by their
-router weights, are added into it in expert order, as transformers' loop over experts adds them.
+(stable: rows in order within an expert), and each expert runs its two products once, over all
+its rows of the step, on its packed weights (`cpu_linear`), with the family's activation between
+(SiLU(gate) * up on halves through the fused op, another activation's module, or gpt-oss'
+clamped GLU through its fused op, its interleaved gate and up columns made halves at load). Each row's expert outputs, scaled by their router
+weights, are added into it in expert order, as transformers' loop over experts adds them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
+
+from batchgen.kernels import decoder_ops
+from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
 
 
 @dataclass
-class MoeLayer:
+class MoeWeights:
+    """A MoE block as the model holds it: per expert, weight [out, in] and bias (or None) of
+    each product."""
+
     router: nn.Module  # rows -> (logits, weights [rows, k], expert ids [rows, k])
-    gate_up: torch.Tensor  # [experts, hidden, 2 * intermediate]
-    gate_up_bias: torch.Tensor | None  # [experts, 2 * intermediate]
-    down: torch.Tensor  # [experts, intermediate, hidden]
-    down_bias: torch.Tensor | None  # [experts, hidden]
-    activation: Callable[[torch.Tensor], torch.Tensor]  # gate_up rows -> intermediate rows
+    gate_up: list[tuple[torch.Tensor, torch.Tensor | None]]
+    down: list[tuple[torch.Tensor, torch.Tensor | None]]
+    activation: Callable[[torch.Tensor], torch.Tensor] | None  # gate_up rows -> rows; None: SiLU(gate) * up
 
     @classmethod
-    def of(cls, block: nn.Module) -> MoeLayer:
-        """The MoE block of Qwen3-MoE, Mixtral (`gate`, experts [E, out, in]) or gpt-oss
-        (`router`, experts [E, in, out] with biases)."""
+    def of(cls, block: nn.Module) -> MoeWeights:
+        """The MoE block of Qwen3-MoE, Mixtral (`gate`, experts [E, out, in]) or gpt-oss (`router`,
+        experts [E, in, out] with biases)."""
         experts = block.experts
-        if hasattr(block, "router"):  # gpt-oss
-            return cls(block.router, experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach(),
-                       experts.down_proj.detach(), experts.down_proj_bias.detach(), experts._apply_gate)
+        if hasattr(block, "router"):  # gpt-oss: gate and up columns interleaved, made halves here
+            halves = torch.cat([torch.arange(0, experts.gate_up_proj.shape[2], 2),
+                                torch.arange(1, experts.gate_up_proj.shape[2], 2)])
+            gate_up = [(w.t()[halves], b[halves])
+                       for w, b in zip(experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach())]
+            down = [(w.t(), b) for w, b in zip(experts.down_proj.detach(), experts.down_proj_bias.detach())]
+            return cls(block.router, gate_up, down,
+                       functools.partial(decoder_ops.clamped_glu, alpha=experts.alpha, limit=experts.limit))
         act = experts.act_fn
         width = experts.gate_up_proj.shape[1] // 2
-        return cls(block.gate, experts.gate_up_proj.detach().transpose(1, 2).contiguous(), None,
-                   experts.down_proj.detach().transpose(1, 2).contiguous(), None,
-                   lambda gate_up: act(gate_up[:, :width]) * gate_up[:, width:])
+        activation = None if isinstance(act, SiLUActivation) else (
+            lambda gate_up: act(gate_up[:, :width]) * gate_up[:, width:])
+        return cls(block.gate, [(w, None) for w in experts.gate_up_proj.detach()],
+                   [(w, None) for w in experts.down_proj.detach()], activation)
+
+
+class MoeLayer:
+    """`MoeWeights` with every expert's products packed; `forward` runs a step's rows."""
+
+    def __init__(self, weights: MoeWeights, quantization: str = "none"):
+        self.router = weights.router
+        self.activation = weights.activation
+        self.gate_up = [pack_weights([w], [b], quantization) for w, b in weights.gate_up]
+        self.down = [pack_weights([w], [b], quantization) for w, b in weights.down]
+        self.row_bucket = row_bucket(self.gate_up + self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for rows `x` [T, hidden]."""
@@ -48,13 +72,22 @@ class MoeLayer:
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         rows = order // expert_ids.shape[1]
-        sorted_ids = flat_ids[order]
-        offsets = torch.bincount(flat_ids, minlength=len(self.gate_up)).cumsum(0).to(torch.int32)
-        gate_up = F.grouped_mm(x[rows], self.gate_up, offs=offsets)
-        if self.gate_up_bias is not None:
-            gate_up = gate_up + self.gate_up_bias[sorted_ids]
-        out = F.grouped_mm(self.activation(gate_up), self.down, offs=offsets)
-        if self.down_bias is not None:
-            out = out + self.down_bias[sorted_ids]
-        out = out * weights.reshape(-1)[order, None]
+        counts = torch.bincount(flat_ids, minlength=len(self.gate_up)).tolist()
+        outputs = []
+        for rows_in, gate_up, down in zip(torch.split(x[rows], counts), self.gate_up, self.down):
+            if len(rows_in):
+                outputs.append(self.expert(rows_in, gate_up, down))
+        out = torch.cat(outputs) * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))
+
+    def expert(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight) -> torch.Tensor:
+        """One expert's output for its rows `x`."""
+        num_rows = len(x)
+        x = F.pad(x, (0, 0, 0, bucketed(num_rows, self.row_bucket) - num_rows))
+        hidden = packed_linear(x, gate_up)
+        if self.activation is None:
+            activated = hidden.new_empty((len(hidden), hidden.shape[1] // 2))
+            decoder_ops.silu_mul(activated, hidden)
+        else:
+            activated = self.activation(hidden)
+        return packed_linear(activated, down)[:num_rows]

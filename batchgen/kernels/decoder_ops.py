@@ -28,6 +28,7 @@ _SIGNATURES = {
     "bg_add_norm": [_POINTER] * 5 + [_INT, _INT, _FLOAT, _INT, _INT, _INT],
     "bg_rope_write_kv": [_POINTER] * 8 + [_INT] * 5 + [_POINTER] * 2 + [_INT, _INT, _FLOAT, _INT, _INT],
     "bg_silu_mul": [_POINTER] * 2 + [_INT] * 4,
+    "bg_clamped_glu": [_POINTER] * 2 + [_INT, _INT, _FLOAT, _FLOAT, _INT, _INT],
 }
 
 
@@ -112,3 +113,13 @@ def silu_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     width = out.shape[-1]
     _library().bg_silu_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
                            DTYPE_CODES[out.dtype], torch.get_num_threads())
+
+
+def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss' expert activation of gate|up rows (each half of a row's width): ``(clamp(up, -limit,
+    limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, rounded as its tensor ops round."""
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], width))
+    _library().bg_clamped_glu(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width, alpha, limit,
+                              DTYPE_CODES[out.dtype], torch.get_num_threads())
+    return out

@@ -19,7 +19,9 @@ from typing import NamedTuple
 import pytest
 import torch
 from transformers.activations import ACT2FN
+from transformers import GptOssConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -197,6 +199,16 @@ def test_rope_write_kv_applies_qk_norms_and_partial_rotary_as_transformers(ops, 
     assert_close(k_out, expected_k)
     assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[slots], k_out)
     assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[slots], v.reshape(num_tokens, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [2, 100])
+def test_clamped_glu_equals_gpt_oss_expert_activation(ops, dtype, num_rows):
+    c_ops_only(ops)
+    experts = GptOssExperts(GptOssConfig(hidden_size=64, intermediate_size=640, num_local_experts=2))
+    interleaved = randn(num_rows, 2 * 640, dtype=dtype, seed=12)  # some beyond the limit of 7
+    halves = torch.cat([interleaved[:, ::2], interleaved[:, 1::2]], -1)
+    assert_close(decoder_ops.clamped_glu(halves, experts.alpha, experts.limit), experts._apply_gate(interleaved))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,8 @@
  *                    and rotary embeddings on their first rotary_dim dims (0: none); q and k are
  *                    written out, k and v are stored at their slots of the paged K/V pool
  *   bg_silu_mul      out = silu(gate) * up for a fused gate|up row
+ *   bg_clamped_glu   out = (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit): gpt-oss'
+ *                    expert activation, for a gate|up row
  *
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
  * MIN_PARALLEL_ELEMENTS elements: a call of a row or two runs on one thread. In a step the other
@@ -378,4 +380,30 @@ void bg_silu_mul(void *out, const void *gate_up, int num_rows, int width, int dt
         const void *row = row_at(gate_up, r, 2 * (int64_t)width, is_bf16);
         silu_mul_row(out_row, row, width, is_bf16);
     }
+}
+
+/* out = round(round(up' + 1) * round(g * round(sigmoid(round(alpha * g))))) for one gate|up row of
+ * 2 * width, where g = min(gate, limit) and up' = clamp(up, -limit, limit): each product rounded to
+ * dtype as gpt-oss' tensor ops round it. */
+static void clamped_glu_row(void *out, const void *gate_up, int width, float alpha, float limit, int is_bf16) {
+    float row_buf[2 * width], out_buf[width];
+    const float *row = as_float(gate_up, row_buf, 2 * width, is_bf16);
+    for (int i = 0; i < width; i++) {
+        float gate = row[i] < limit ? row[i] : limit, up = clamp(row[width + i], -limit, limit);
+        float scaled = round_to(gate * alpha, is_bf16);
+        float glu = round_to(gate * round_to(1.0f / (1.0f + vector_expf(-scaled)), is_bf16), is_bf16);
+        out_buf[i] = round_to(up + 1.0f, is_bf16) * glu;
+    }
+    store_row(out, out_buf, width, is_bf16);
+}
+
+/* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] (clamped_glu_row). */
+void bg_clamped_glu(void *out, const void *gate_up, int num_rows, int width, float alpha, float limit, int dtype,
+                    int num_threads) {
+    int is_bf16 = dtype == DTYPE_BF16;
+    int is_parallel = num_threads > 1 && (int64_t)num_rows * width >= MIN_PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
+    for (int r = 0; r < num_rows; r++)
+        clamped_glu_row(row_at(out, r, width, is_bf16), row_at(gate_up, r, 2 * (int64_t)width, is_bf16), width, alpha,
+                        limit, is_bf16);
 }

@@ -1,0 +1,104 @@
+"""Benchmark: each model family's output tok/s against a Llama of the same dimensions, in one process.
+
+    python scripts/bench_families.py                       # every family, bfloat16, "small" dims
+    python scripts/bench_families.py --families qwen3,gemma3_text --repeats 5
+    python scripts/bench_families.py --size tiny --repeats 1 --out /tmp/families.json   # smoke run
+
+Every family is a seeded random model (`bench_models.family_config`) at one set of dimensions,
+run by batchgen with its default engine (the fused step where it applies): the same prompts,
+longer than the local layers' window, greedy, a fixed number of output tokens. Each model runs
+one warm-up call, then the repetitions run interleaved across families (rep 1 of every family,
+then rep 2, ...); the report gives each family's median output tok/s and its ratio to the Llama's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import machine_info  # noqa: E402
+from bench_models import EOS_ID, FAMILIES, RANDOM_SEED, family_config, word_tokenizer  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+
+SIZES = {
+    # head_dim 64, as SmolLM2's; 8 layers
+    "small": dict(dims=dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096),
+                  window=128, num_prompts=32, prompt_len=384, output_len=64),
+    "tiny": dict(dims=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+                 window=16, num_prompts=4, prompt_len=40, output_len=4),
+}
+
+
+def family_llm(family: str, size: dict, dtype: torch.dtype) -> LLM:
+    """batchgen over a seeded random `family` model of `size`'s dimensions, in `dtype`."""
+    dims = {**size["dims"], "eos_token_id": EOS_ID, "bos_token_id": 1, "pad_token_id": EOS_ID}
+    torch.manual_seed(RANDOM_SEED)
+    model = transformers.AutoModelForCausalLM.from_config(family_config(family, dims, size["window"]))
+    return LLM(model.to(dtype).eval(), tokenizer=word_tokenizer(dims["vocab_size"]))
+
+
+def prompts(size: dict) -> list[list[int]]:
+    rng = random.Random(RANDOM_SEED)
+    vocab = size["dims"]["vocab_size"]
+    return [[rng.randrange(3, vocab) for _ in range(size["prompt_len"])] for _ in range(size["num_prompts"])]
+
+
+def run_once(llm: LLM, prompt_ids: list[list[int]], output_len: int) -> float:
+    """Output tok/s of one greedy call over `prompt_ids`, from a cold prefix cache."""
+    llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompt_ids, params, use_tqdm=False)
+    return sum(len(output.token_ids) for output in outputs) / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch's CPU threads")
+    parser.add_argument("--out", default="scripts/results/cpu/families.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    size, dtype = SIZES[args.size], getattr(torch, args.dtype)
+    families = ["llama"] + [family for family in args.families.split(",") if family != "llama"]
+    llms = {family: family_llm(family, size, dtype) for family in families}
+    prompt_ids = prompts(size)
+    for llm in llms.values():
+        run_once(llm, prompt_ids[:2], 2)  # warm-up: kernels built, weights packed, pool touched
+    speeds = {family: [] for family in families}
+    for _ in range(args.repeats):
+        for family, llm in llms.items():
+            speeds[family].append(run_once(llm, prompt_ids, size["output_len"]))
+    llama = statistics.median(speeds["llama"])
+    rows = [{"family": family, "fused_step": llms[family].engine.runner.fused is not None,
+             "output_tok_s_median": statistics.median(runs), "output_tok_s_runs": runs,
+             "vs_llama": statistics.median(runs) / llama} for family, runs in speeds.items()]
+    report = {"size": args.size, **size, "dtype": args.dtype, "repeats": args.repeats, "rows": rows,
+              "machine": machine_info(torch.device("cpu")), "load_average_after": os.getloadavg()}
+    print("| family | fused step | output tok/s (median) | vs Llama |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['family']} | {row['fused_step']} | {row['output_tok_s_median']:.1f} | {row['vs_llama']:.2f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
