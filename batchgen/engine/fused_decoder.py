@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import NewGELUActivation
 from torch import nn
 
 from batchgen.engine import calibration
@@ -135,6 +136,14 @@ class FusedLayer:
         return cls(*products, moe, *norms, qk_norm, attention.scale, attention.variant, rotary_key)
 
 
+def fused_activation(spec: ModelSpec, ops):
+    """A plain (not gated) MLP's activation: GPT-2's tanh GELU through `ops` where it has it (one
+    pass against eight tensor ops), else the family's module."""
+    if not spec.gated and isinstance(spec.activation, NewGELUActivation) and hasattr(ops, "gelu_new"):
+        return ops.gelu_new
+    return spec.activation
+
+
 def fused_ops(device: torch.device):
     """The fused elementwise ops of `device` (`decoder_ops` or `cuda_decoder_ops`), or None."""
     if device.type == "cpu" and torch.backends.mkldnn.is_available() and decoder_ops.is_available():
@@ -164,6 +173,7 @@ class FusedDecoder:
         self.ops = ops
         self.weights = weights
         self.spec = weights.spec
+        self.activation = fused_activation(weights.spec, ops)
         sources = [linear.source for layer in weights.layers for linear in layer.products
                    if linear is not None and linear.source is not None]
         ranges = calibration.input_ranges(model, sources) if quantization == "int8" else None
@@ -288,7 +298,7 @@ class FusedDecoder:
             width = hidden.shape[1] // 2
             activated = self.spec.activation(hidden[:, :width]) * hidden[:, width:]
         else:
-            activated = self.spec.activation(hidden)
+            activated = self.activation(hidden)
         return packed_linear(activated, layer.mlp_out)
 
     def logits(self, kept: torch.Tensor) -> torch.Tensor:

@@ -315,8 +315,9 @@ class NativeBackend(AttentionBackend):
     `shares_prefixes`, their `decode_groups` go with them and a kernel may read a group's shared
     prefix once for all its sequences (cascade attention). `prefill`, when given, attends every
     prefill chunk over the pool in one call; where it does not run them, `variant_prefill` does
-    for a layer whose variant SDPA computes slowly or not at all (a window, soft-cap or sinks),
-    else SDPA. Through SDPA, a prefill chunk with no cached context attends to its own new K/V
+    for a layer whose variant SDPA has no argument for (a soft-cap or sinks: through SDPA they
+    run eagerly in float32), else SDPA (a window as its mask: in bfloat16 on a CPU with AMX,
+    faster than the C kernel's windowed prefill). Through SDPA, a prefill chunk with no cached context attends to its own new K/V
     without touching the pool (over an int8 pool it reads them as stored, so a prompt attends
     alike whether its prefix was cached or not).
     """
@@ -340,7 +341,8 @@ class NativeBackend(AttentionBackend):
         if num_decode:
             self.attend_decode(q[:num_decode], k_cache, v_cache, meta.decode_seqs, scale, result[:num_decode], variant)
         if num_decode < len(meta.query_lens):
-            kernels = (self.prefill,) if variant.is_full else (self.prefill, self.variant_prefill)
+            needs_kernel = variant.softcap or variant.sinks is not None  # what SDPA has no argument for
+            kernels = (self.prefill, self.variant_prefill) if needs_kernel else (self.prefill,)
             if not any(kernel is not None and kernel(q, k_cache, v_cache, meta.prefill_seqs, scale, result, variant)
                        for kernel in kernels):
                 attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result, variant)

@@ -29,6 +29,7 @@ _SIGNATURES = {
     "bg_rope_write_kv": [_POINTER] * 8 + [_INT] * 5 + [_POINTER] * 2 + [_INT, _INT, _FLOAT, _INT, _INT],
     "bg_silu_mul": [_POINTER] * 2 + [_INT] * 4,
     "bg_clamped_glu": [_POINTER] * 2 + [_INT, _INT, _FLOAT, _FLOAT, _INT, _INT],
+    "bg_gelu_new": [_POINTER] * 2 + [ctypes.c_int64, _INT, _INT],
 }
 
 
@@ -123,3 +124,9 @@ def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tens
     _library().bg_clamped_glu(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width, alpha, limit,
                               DTYPE_CODES[out.dtype], torch.get_num_threads())
     return out
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU of contiguous `x` (transformers' NewGELUActivation, rounded as its ops round), in place."""
+    _library().bg_gelu_new(x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return x

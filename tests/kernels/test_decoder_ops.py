@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 from transformers import GptOssConfig
+from transformers.activations import NewGELUActivation
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
@@ -209,6 +210,14 @@ def test_clamped_glu_equals_gpt_oss_expert_activation(ops, dtype, num_rows):
     interleaved = randn(num_rows, 2 * 640, dtype=dtype, seed=12)  # some beyond the limit of 7
     halves = torch.cat([interleaved[:, ::2], interleaved[:, 1::2]], -1)
     assert_close(decoder_ops.clamped_glu(halves, experts.alpha, experts.limit), experts._apply_gate(interleaved))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [2, 100])
+def test_gelu_new_equals_gpt2s_activation(ops, dtype, num_rows):
+    c_ops_only(ops)
+    x = randn(num_rows, 1536, dtype=dtype, seed=13)
+    assert_close(decoder_ops.gelu_new(x.clone()), NewGELUActivation()(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

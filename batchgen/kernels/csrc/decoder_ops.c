@@ -16,6 +16,7 @@
  *   bg_silu_mul      out = silu(gate) * up for a fused gate|up row
  *   bg_clamped_glu   out = (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit): gpt-oss'
  *                    expert activation, for a gate|up row
+ *   bg_gelu_new      GPT-2's tanh GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
  *
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
  * MIN_PARALLEL_ELEMENTS elements: a call of a row or two runs on one thread. In a step the other
@@ -406,4 +407,32 @@ void bg_clamped_glu(void *out, const void *gate_up, int num_rows, int width, flo
     for (int r = 0; r < num_rows; r++)
         clamped_glu_row(row_at(out, r, width, is_bf16), row_at(gate_up, r, 2 * (int64_t)width, is_bf16), width, alpha,
                         limit, is_bf16);
+}
+
+/* tanh(x) = 1 - 2 / (e^2x + 1) through vector_expf, so loops calling it vectorize (|x| clamped at 9,
+ * where tanh is +-1 in float32); within 1e-7 of tanhf. */
+static inline float vector_tanhf(float x) {
+    return 1.0f - 2.0f / (vector_expf(2.0f * clamp(x, -9.0f, 9.0f)) + 1.0f);
+}
+
+/* out = GPT-2's tanh GELU of x (n elements, out may be x), each step rounded to dtype as
+ * transformers' NewGELUActivation's tensor ops round it. */
+void bg_gelu_new(void *out, const void *x, int64_t n, int dtype, int num_threads) {
+    int is_bf16 = dtype == DTYPE_BF16;
+    const float root = 0.7978845608028654f; /* sqrt(2 / pi) */
+    int is_parallel = num_threads > 1 && n >= MIN_PARALLEL_ELEMENTS;
+    int64_t step = 4096;
+#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
+    for (int64_t start = 0; start < n; start += step) {
+        int count = (int)(n - start < step ? n - start : step);
+        float buf[count], result[count];
+        const float *v = as_float(row_at(x, start, 1, is_bf16), buf, count, is_bf16);
+        for (int i = 0; i < count; i++) {
+            float cube = round_to(round_to(v[i] * v[i], is_bf16) * v[i], is_bf16); /* torch.pow(x, 3): x * x, then * x */
+            float inner = round_to(v[i] + round_to(0.044715f * cube, is_bf16), is_bf16);
+            float tanh = round_to(vector_tanhf(round_to(root * inner, is_bf16)), is_bf16);
+            result[i] = round_to(0.5f * v[i], is_bf16) * round_to(1.0f + tanh, is_bf16);
+        }
+        store_row(row_at(out, start, 1, is_bf16), result, count, is_bf16);
+    }
 }
