@@ -13,7 +13,7 @@ import click
 from batchgen.engine.config import EngineConfig
 from batchgen.job.config import JobConfig, JobConfigError, command_line_job, load_job
 from batchgen.io.writer import OutputError
-from batchgen.job.run import plan_job, run_job, validate_job
+from batchgen.job.run import MAX_ORDER_IDS, plan_job, run_job, validate_job
 from batchgen.kernels.inventory import gather_inventory
 
 JOB_ERROR_EXIT_CODE = 101
@@ -214,7 +214,7 @@ def plan(job: Path, limit: int | None, as_json: bool, executor: str | None, num_
     """
     config = load(job, executor_overrides(executor, num_workers))
     try:
-        report = plan_job(config, limit=limit, use_tqdm=sys.stderr.isatty(), max_order_ids=None if as_json else 10)
+        report = plan_job(config, limit=limit, use_tqdm=sys.stderr.isatty(), max_order_ids=None if as_json else MAX_ORDER_IDS)
     except JobConfigError as error:
         raise JobError(str(error)) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())

@@ -55,7 +55,7 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
         token_ids = _encode_text(tokenizer, prompt)
     elif is_messages(prompt):
         token_ids = _encode_messages(tokenizer, check_messages(prompt))
-    elif isinstance(prompt, list) and prompt and all(_is_token_id(item) for item in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_token_id(item) for item in prompt):
         token_ids = list(prompt)
     elif isinstance(prompt, list) and not prompt:
         raise ValueError("empty prompt: no tokens and no messages")
@@ -181,7 +181,7 @@ def _check_message(message: Any, where: str) -> dict:
     return present
 
 
-def _is_token_id(item: Any) -> bool:
+def is_token_id(item: Any) -> bool:
     return isinstance(item, int) and not isinstance(item, bool) and item >= 0
 
 

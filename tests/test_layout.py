@@ -22,6 +22,9 @@ FORBIDDEN = {
                     "batchgen.integrations"),
     "batchgen.llm": ("batchgen.job", "batchgen.io", "batchgen.cli", "batchgen.integrations"),
     "batchgen.job": ("batchgen.cli", "batchgen.integrations"),
+    **{f"batchgen.{beside}": ("batchgen.engine", "batchgen.plan", "batchgen.job", "batchgen.io", "batchgen.llm",
+                              "batchgen.cli", "batchgen.integrations", "batchgen.kernels")
+       for beside in ("models", "prompts", "outputs", "options", "sampling_params")},
 }
 
 

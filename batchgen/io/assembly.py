@@ -14,7 +14,7 @@ import base64
 import datetime
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,21 +22,25 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.io.openai_batch import result_lines
 from batchgen.io.output_table import ROW_INDEX, SAMPLE_INDEX
 
 BUCKET_ROWS = 65536
+LineRenderer = Callable[[Iterator[dict]], Iterator[tuple[bool, dict]]]
+"""Rows in row order -> (is_error, JSON line) per line of a JSON-lines file."""
+
+
 def assemble(shard_paths: list[Path], schema: pa.Schema, target: IO[bytes], work_dir: Path, file_format: str,
-             errors_target: IO[bytes] | None = None, model: str = "") -> None:
-    """Write every row of `shard_paths` to `target` as one file of `file_format` (parquet, jsonl, or
-    openai_batch: result lines of `model`, the failed ones to `errors_target` when given), in row order."""
+             render_lines: LineRenderer | None = None, errors_target: IO[bytes] | None = None) -> None:
+    """Write every row of `shard_paths` to `target` as one file of `file_format`, in row order: Parquet,
+    or JSON lines (`render_lines` of the rows, each row as it is by default; error lines to
+    `errors_target` when given)."""
     work_dir.mkdir()
     try:
         buckets = _sorted_buckets(shard_paths, schema, work_dir)
         if file_format == "jsonl":
-            _write_jsonl(buckets, target)
-        elif file_format == "openai_batch":
-            _write_openai_results(buckets, target, errors_target or target, model)
+            rows = (row for table in buckets for row in table.to_pylist())
+            lines = render_lines(rows) if render_lines else ((False, row) for row in rows)
+            _write_lines(lines, target, errors_target or target)
         else:
             with pq.ParquetWriter(target, schema) as writer:
                 for table in buckets:
@@ -71,18 +75,11 @@ def _distribute(shard_paths: list[Path], schema: pa.Schema, work_dir: Path, buck
     return set(writers)
 
 
-def _write_jsonl(tables: Iterator[pa.Table], target: IO[bytes]) -> None:
-    """One JSON object per row (UTF-8, keys in column order)."""
-    for table in tables:
-        lines = [json.dumps(row, ensure_ascii=False, default=_json_value) + "\n" for row in table.to_pylist()]
-        target.write("".join(lines).encode("utf-8"))
-
-
-def _write_openai_results(tables: Iterator[pa.Table], target: IO[bytes], errors_target: IO[bytes], model: str) -> None:
-    """OpenAI batch result lines, a request line's rows at a time (they sit next to each other in row order)."""
-    rows = (row for table in tables for row in table.to_pylist())
-    for is_error, line in result_lines(rows, model):
-        (errors_target if is_error else target).write((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
+def _write_lines(lines: Iterator[tuple[bool, dict]], target: IO[bytes], errors_target: IO[bytes]) -> None:
+    """One JSON object a line (UTF-8, keys in column order), error lines to `errors_target`."""
+    for is_error, line in lines:
+        text = json.dumps(line, ensure_ascii=False, default=_json_value) + "\n"
+        (errors_target if is_error else target).write(text.encode("utf-8"))
 
 
 def _json_value(value: Any) -> Any:

@@ -38,11 +38,6 @@ def row_error(row_index: int, message: str) -> str:
     return f"row {row_index}: {message}"
 
 
-def row_error(row_index: int, message: str) -> str:
-    """An error message that names its input row: every bad row's message starts so."""
-    return f"row {row_index}: {message}"
-
-
 @dataclass
 class InputSource:
     """An opened input: its columns, row count, the Arrow field of each column it can name, and

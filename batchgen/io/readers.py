@@ -14,9 +14,9 @@ number in the next) is written as JSON text, strings unquoted.
 
 from __future__ import annotations
 
-import codecs
+import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io.input_rows import InputRow, InputSource, row_error
-from batchgen.io.openai_batch import OpenAIBatchSource
+from batchgen.io.json_lines import json_objects
 from batchgen.io.overrides import read_overrides
 from batchgen.options import template_columns
 from batchgen.prompts import BadRowError, apply_template, prompt_from_cell, shape_prompt
@@ -115,22 +115,14 @@ class JsonlSource(TableSource):
 
     def _parsed(self, batch_rows: int) -> Iterator[list[dict]]:
         """Every non-blank line as a dict (`{LINE_ERROR_KEY: why}` for a bad line), in batches."""
-        records: list[dict] = []
-        with open(self.path, "rb") as file:
-            for line_number, raw in enumerate(file, start=1):
-                raw = raw.removeprefix(codecs.BOM_UTF8) if line_number == 1 else raw  # a UTF-8 file's BOM
-                if raw.strip():
-                    records.append(_parse_line(raw, line_number))
-                    if len(records) == batch_rows:
-                        yield records
-                        records = []
-        if records:
-            yield records
+        records = (value if isinstance(value, dict) else {LINE_ERROR_KEY: value}
+                   for _, value in json_objects(self.path))
+        while batch := list(itertools.islice(records, batch_rows)):
+            yield batch
 
 
-def open_source(spec: Any, model_names: Iterable[str] = ()) -> InputSource:
-    """Open the input named by `spec` (path, format, dataset, split, carry_columns) for streaming;
-    `model_names`: what an OpenAI batch file's lines may name the model."""
+def open_source(spec: Any) -> InputSource:
+    """Open the table named by `spec` (path, format, dataset, split, carry_columns) for streaming."""
     if spec.format == "hf_hub":
         return DatasetSource(_load_hub(spec.dataset or spec.path, spec.split))
     path = Path(spec.path)
@@ -143,9 +135,7 @@ def open_source(spec: Any, model_names: Iterable[str] = ()) -> InputSource:
         return JsonlSource(path, list(spec.carry_columns))
     if fmt == "hf_disk":
         return DatasetSource(_load_from_disk(path, spec.split))
-    if fmt == "openai_batch":
-        return OpenAIBatchSource(path, model_names)
-    raise ValueError(f"unknown input format {fmt!r}; expected auto, parquet, jsonl, hf_disk, hf_hub or openai_batch")
+    raise ValueError(f"unknown input format {fmt!r}; expected auto, parquet, jsonl, hf_disk or hf_hub")
 
 
 def _load_from_disk(path: Path, split: str) -> Any:
@@ -171,18 +161,6 @@ def _load_hub(name: str, split: str) -> Any:
         raise ValueError(
             f"cannot load dataset {name!r} (split {split!r}) from the Hugging Face hub: {error}"
         ) from error
-
-
-def _parse_line(raw: bytes, line_number: int) -> dict:
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        return {LINE_ERROR_KEY: f"line {line_number}: invalid UTF-8: {error}"}
-    except json.JSONDecodeError as error:
-        return {LINE_ERROR_KEY: f"line {line_number}: invalid JSON: {error}"}
-    if not isinstance(value, dict):
-        return {LINE_ERROR_KEY: f"line {line_number}: expected a JSON object, got {type(value).__name__}"}
-    return value
 
 
 def _unified_field(known: pa.Field | None, name: str, values: list) -> tuple[pa.Field | None, bool]:

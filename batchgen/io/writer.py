@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import shutil
 from importlib import metadata as package_metadata
 from pathlib import Path
@@ -35,11 +36,12 @@ import pyarrow.parquet as pq
 from batchgen.io.commit import atomic_write, deferred_interrupts
 from batchgen.io.manifest import MANIFEST_NAME, TEMP_PREFIX, ManifestError, describe_changes, read_manifest, write_manifest
 from batchgen.io.output_lock import OutputLock
-from batchgen.io.assembly import assemble
+from batchgen.io.assembly import LineRenderer, assemble
 from batchgen.io.output_table import ROW_INDEX, num_error_rows
 from batchgen.io.row_set import RowSet
 
 FINGERPRINT_KEY = "batchgen.fingerprint"
+FINAL_FILES_KEY = "batchgen.final_files"  # in the manifest: the JSON-lines files its output writes
 
 
 class OutputError(ValueError):
@@ -110,9 +112,10 @@ class ShardWriter:
     def __init__(self, output_path: str | Path, fingerprint: str, shard_size: int, schema: pa.Schema,
                  mode: str = "resume", metadata: dict[str, str] | None = None,
                  description: dict[str, Any] | None = None, file_format: str | None = None,
-                 errors_path: Path | None = None) -> None:
+                 render_lines: LineRenderer | None = None, errors_path: Path | None = None) -> None:
         """`file_format`: the final file's format, or None for a folder output (default: the path's,
-        `output_format_of`); `errors_path`: an `openai_batch` output's file of failed lines."""
+        `output_format_of`); a `jsonl` file's lines are `render_lines` of the rows (default: each row
+        as it is), and the lines it marks as errors go to `errors_path` when given."""
         if mode not in ("resume", "overwrite"):
             raise ValueError(f"output mode must be 'resume' or 'overwrite', got {mode!r}")
         if shard_size < 1:
@@ -120,6 +123,7 @@ class ShardWriter:
         self.output_path = Path(output_path)
         self.file_format = output_format_of(output_path) if file_format is None else file_format
         self.is_single_file = self.file_format is not None
+        self.render_lines = render_lines
         self.errors_path = errors_path
         self.shard_dir = Path(f"{output_path}.shards") if self.is_single_file else self.output_path
         self.fingerprint = fingerprint
@@ -191,21 +195,31 @@ class ShardWriter:
         """Raise when the final file, or a shard-named file the manifest does not list, is not batchgen's."""
         candidates = [path for path in self.shard_dir.glob("shard-*.parquet") if path.name not in listed]
         foreign = [path for path in candidates if not is_batchgen_file(path)]
-        final_files = [self.output_path, *([self.errors_path] if self.errors_path else [])]
-        if self.is_single_file and not self._is_own_final_file():
-            foreign += [path for path in final_files if path.exists()]
+        if self.is_single_file:
+            foreign += [path for path in self._final_files() if path.exists() and not self._is_own_final_file(path)]
         if foreign:
             raise JobMismatchError(
                 f"{str(foreign[0])!r} was not written by batchgen, and batchgen never replaces or deletes files "
                 "it did not write; move it away or choose another output path"
             )
 
-    def _is_own_final_file(self) -> bool:
-        """Whether the final file is batchgen's: a Parquet file carrying a fingerprint, a JSON-lines
-        file beside its shards' manifest (JSON lines have no place for one)."""
+    def _final_files(self) -> list[Path]:
+        """The files `finish` writes: a file output, and the errors file when there is one."""
+        if not self.is_single_file:
+            return []
+        return [self.output_path, *([self.errors_path] if self.errors_path else [])]
+
+    def _is_own_final_file(self, path: Path) -> bool:
+        """Whether a final file is batchgen's: a Parquet file carrying a fingerprint, a JSON-lines file
+        that its shards' manifest records among the files it writes (JSON lines have no place for a
+        fingerprint)."""
         if self.file_format == "parquet":
-            return is_batchgen_file(self.output_path)
-        return (self.shard_dir / MANIFEST_NAME).is_file()
+            return is_batchgen_file(path)
+        try:
+            recorded = read_manifest(self.shard_dir / MANIFEST_NAME).get("metadata", {}).get(FINAL_FILES_KEY, "[]")
+        except ManifestError:
+            return False
+        return str(path) in json.loads(recorded)
 
     def _open_manifest(self) -> list[dict]:
         """The committed shards; refuses another job's output."""
@@ -329,7 +343,10 @@ class ShardWriter:
             self._buffer, self._buffered_indices = [], set()
 
     def _write_manifest(self, shards: list[dict]) -> None:
-        write_manifest(self.shard_dir / MANIFEST_NAME, self.fingerprint, self.metadata, self.description, shards)
+        metadata = dict(self.metadata)
+        if self.file_format == "jsonl":  # its files hold no fingerprint: the manifest says they are batchgen's
+            metadata[FINAL_FILES_KEY] = json.dumps([str(path) for path in self._final_files()])
+        write_manifest(self.shard_dir / MANIFEST_NAME, self.fingerprint, metadata, self.description, shards)
 
     def num_error_rows(self) -> int:
         """Error rows in everything committed (from the manifest: no shard is read)."""
@@ -350,10 +367,8 @@ class ShardWriter:
         self._check_kind()
         shard_paths = [self.shard_dir / shard["file"] for shard in self._shards]
         work_dir = self.shard_dir / f"{TEMP_PREFIX}assembly"
-        model = self.metadata.get("batchgen.model", "")
-
         def write(file, errors_file=None) -> None:
-            assemble(shard_paths, self.schema, file, work_dir, self.file_format, errors_file, model)
+            assemble(shard_paths, self.schema, file, work_dir, self.file_format, self.render_lines, errors_file)
 
         try:
             if self.errors_path is None:

@@ -418,6 +418,9 @@ def _resolve_output(locate: Callable, config: OutputConfig, job_dir: Path) -> No
         if config.format != "openai_batch":
             raise locate("output.errors_path", "only used with output.format: openai_batch")
         config.errors_path = (job_dir / Path(config.errors_path).expanduser()).resolve()
+        if config.errors_path in (config.path, Path(f"{config.path}.shards")) or \
+                config.errors_path.is_relative_to(Path(f"{config.path}.shards")):
+            raise locate("output.errors_path", f"{config.errors_path} is where the results go; name another file")
 
 
 def _refuse_output_over_input(locate: Callable, config: JobConfig) -> None:
@@ -425,7 +428,8 @@ def _refuse_output_over_input(locate: Callable, config: JobConfig) -> None:
     if config.input.path is None:
         return
     source = config.input.path
-    written = [config.output.path, Path(f"{config.output.path}.shards")]
+    written = [config.output.path, Path(f"{config.output.path}.shards"),
+               *([config.output.errors_path] if config.output.errors_path else [])]
     if any(path == source or path.is_relative_to(source) or source.is_relative_to(path) for path in written):
         raise locate("output.path", f"{config.output.path} would write over the job's input {source}; "
                      "batchgen never writes where it reads: choose another output path")

@@ -22,13 +22,17 @@ from batchgen.io.input_rows import InputRow, InputSource
 from batchgen.io.readers import iter_rows, open_source
 from batchgen.io.row_set import RowSet
 from batchgen.job.config import JobConfig
+from batchgen.job.openai_batch import OpenAIBatchSource
 from batchgen.plan.requests import PlanLimits
 
 
 def open_input(config: JobConfig) -> InputSource:
     """The opened input, after checking every column the job names."""
     try:
-        source = open_source(config.input, model_names(config))
+        if config.input.format == "openai_batch":
+            source = OpenAIBatchSource(config.input.path, model_names(config))
+        else:
+            source = open_source(config.input)
     except ValueError as error:
         raise config.error("input.path", str(error)) from None
     for key, columns in config.column_keys().items():
@@ -37,6 +41,17 @@ def open_input(config: JobConfig) -> InputSource:
             raise config.error(key, f"no column {', '.join(map(repr, missing))} in the input; "
                                f"available columns: {', '.join(source.columns) or '(none)'}")
     return source
+
+
+def served_name(config: JobConfig) -> str:
+    """The job's model as results name it: the default model's name, a local model's folder or file
+    name, or the hub id as given."""
+    if config.model is None:
+        return models.DEFAULT_MODEL
+    path = Path(config.model)
+    if not path.exists():
+        return config.model
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def model_names(config: JobConfig) -> list[str]:

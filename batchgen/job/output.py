@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from batchgen.io.fingerprint import file_digest, fingerprint_job
 from batchgen.io.output_table import FINISH_REASON
 from batchgen.io.writer import ShardWriter, version_metadata
 from batchgen.job.config import JobConfig
+from batchgen.job.inputs import served_name
+from batchgen.job.openai_batch import result_lines
 from batchgen.outputs import FinishReason
 
 
@@ -44,11 +47,17 @@ def open_writer(config: JobConfig, schema: pa.Schema) -> ShardWriter:
     description = job_description(config)
     try:
         return ShardWriter(config.output.path, fingerprint_job(description), config.output.shard_size, schema,
-                           config.output.mode, metadata, description,
-                           file_format="openai_batch" if config.output.format == "openai_batch" else None,
-                           errors_path=config.output.errors_path)
+                           config.output.mode, metadata, description, **_final_file(config))
     except ValueError as error:
         raise config.error("output.path", str(error)) from None
+
+
+def _final_file(config: JobConfig) -> dict:
+    """How an `openai_batch` output's final file is written: OpenAI result lines (errors apart when asked)."""
+    if config.output.format != "openai_batch":
+        return {}
+    return {"file_format": "jsonl", "errors_path": config.output.errors_path,
+            "render_lines": functools.partial(result_lines, model=served_name(config))}
 
 
 def write_rows(writer: ShardWriter, rows: list[dict], counts: Counter) -> None:

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -43,7 +44,9 @@ from tqdm.auto import tqdm
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.request import Request
 from batchgen.engine.stats import TokenCounts
-from batchgen.io.output_table import ROW_INDEX, WORKER, OutputLayout, sample_fields, sample_values, with_worker
+from batchgen.io.input_rows import row_error
+from batchgen.io.output_table import (ROW_INDEX, SAMPLE_INDEX, WORKER, OutputLayout, sample_fields, sample_values,
+                                      with_worker)
 from batchgen.io.writer import ShardWriter
 from batchgen.job.config import JobConfig
 from batchgen.job.inputs import tokenizer_and_limits
@@ -52,7 +55,8 @@ from batchgen.job.plan_pass import JobPlan
 from batchgen.job.reports import PartitionReport
 from batchgen.llm import LLM
 from batchgen.plan.partitions import partition, partition_orders, random_parts, request_costs
-from batchgen.plan.requests import PlanLimits
+from batchgen.outputs import RequestOutput
+from batchgen.plan.requests import PlanLimits, prompt_length_error
 from batchgen.sampling_params import SamplingParams
 
 WORKER_START_TIMEOUT_S = 600  # Ray Data's error, not a hang, when a cluster cannot place the workers
@@ -63,6 +67,8 @@ TOKEN_IDS = "token_ids"
 BLOCK_HASHES = "block_hashes"
 PARAMS = "params"
 ARRIVAL_TIME = "arrival_time"
+LOGPROB_START = "logprob_start"
+REQUEST_COLUMNS = (TOKEN_IDS, BLOCK_HASHES, PARAMS, ARRIVAL_TIME, LOGPROB_START)  # a planned request, in a block
 # the columns a worker adds to its output block beside the output rows (dropped before commit)
 PEAK_RSS = "peak_rss_bytes"
 LOAD_S = "load_s"
@@ -221,7 +227,8 @@ def partition_key(fingerprint: str, row_indices: np.ndarray) -> str:
 def _partition_block(plan: JobPlan, order: np.ndarray, fingerprint: str, schema: pa.Schema) -> pa.Table:
     """The block a worker runs: per planned request, in run order, its row's key and carried
     columns (as the output `schema` types them), its token ids and block hashes, its sampling
-    overrides (JSON; null when the job's), its arrival time and the partition's key."""
+    overrides (JSON; null when the job's), its arrival time, its first scored position and the
+    partition's key."""
     records = [plan.record(int(position)) for position in order]
     rows = [planned.row for planned in records]
     carried = [field for field in schema if field.name in rows[0].carried]
@@ -236,14 +243,17 @@ def _partition_block(plan: JobPlan, order: np.ndarray, fingerprint: str, schema:
         PARAMS: pa.array([json.dumps(planned.param_overrides) if planned.param_overrides else None
                           for planned in records], pa.string()),
         ARRIVAL_TIME: pa.array([planned.request.arrival_time for planned in records], pa.float64()),
+        LOGPROB_START: pa.array([planned.request.logprob_start for planned in records], pa.int32()),
         PARTITION: pa.array([key] * len(rows), pa.string()),
     })
 
 
 class PlanWorker:
-    """A Ray actor's engine: runs the driver's planned requests of a block as they are, and
-    returns the block's key and carried columns with each request's output rows (one per sample),
-    `worker`, and this process's peak memory and model load time."""
+    """A Ray actor's engine: runs the driver's planned requests of a block as they are (a prompt
+    longer than this engine's pool holds, which the driver planning from the model's config
+    alone cannot know, fails as a local run's would), and returns the block's key and carried
+    columns with each request's output rows (one per sample), `worker`, and this process's peak
+    memory and model load time."""
 
     def __init__(self, model: str | None, engine: EngineConfig, job_params: SamplingParams, layout: OutputLayout):
         start = time.time()
@@ -254,14 +264,14 @@ class PlanWorker:
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, block: pa.Table) -> pa.Table:
-        requests = [Request(position, None, token_ids, block_hashes, self._params(overrides), arrival_time)
-                    for position, (token_ids, block_hashes, overrides, arrival_time) in enumerate(zip(
-                        block.column(TOKEN_IDS).to_pylist(), block.column(BLOCK_HASHES).to_pylist(),
-                        block.column(PARAMS).to_pylist(), block.column(ARRIVAL_TIME).to_pylist()))]
-        outputs = sorted(self.llm.run_requests(requests, use_tqdm=False), key=lambda output: output.request_id)
+        requests = [Request(position, None, token_ids, block_hashes, self._params(overrides), arrival_time,
+                            logprob_start)
+                    for position, (token_ids, block_hashes, overrides, arrival_time, logprob_start) in enumerate(zip(
+                        *(block.column(name).to_pylist() for name in REQUEST_COLUMNS)))]
+        outputs = self._outputs(requests, block.column(ROW_INDEX).to_pylist())
         samples = [(position, values) for position, output in enumerate(outputs)
                    for values in sample_values(output, self.layout)]
-        kept = block.drop_columns([TOKEN_IDS, BLOCK_HASHES, PARAMS, ARRIVAL_TIME]).take(
+        kept = block.drop_columns(list(REQUEST_COLUMNS)).take(
             pa.array([position for position, _ in samples], pa.int64()))
         results = pa.Table.from_pylist([values for _, values in samples], schema=pa.schema(sample_fields(self.layout)))
         for field, column in zip(results.schema, results.columns):
@@ -272,8 +282,18 @@ class PlanWorker:
                 .append_column(PEAK_RSS, pa.array([peak] * num, pa.int64()))
                 .append_column(LOAD_S, pa.array([self.load_s] * num, pa.float64())))
 
+    def _outputs(self, requests: list[Request], row_indices: list[int]) -> list[RequestOutput]:
+        """One output per request, in block order: generated, or failed for a prompt longer than
+        this engine holds."""
+        max_len = self.llm.plan_limits().max_prompt_len
+        fits = [request for request in requests if len(request.token_ids) <= max_len]
+        failed = [RequestOutput.failed(request.request_id, None, request.token_ids, request.params.n, row_error(
+                      row_indices[request.request_id], prompt_length_error(len(request.token_ids), max_len)),
+                  request.arrival_time) for request in requests if len(request.token_ids) > max_len]
+        return sorted([*failed, *self.llm.run_requests(fits, use_tqdm=False)], key=lambda output: output.request_id)
+
     def _params(self, overrides: str | None) -> SamplingParams:
-        return SamplingParams(**{**self.job_params.to_dict(), **json.loads(overrides)}) if overrides else self.job_params
+        return dataclasses.replace(self.job_params, **json.loads(overrides)) if overrides else self.job_params
 
 
 def _whole_partitions(outputs: Iterator[pa.Table], num_rows: dict[str, int]) -> Iterator[tuple[str, pa.Table]]:
@@ -293,10 +313,12 @@ def _whole_partitions(outputs: Iterator[pa.Table], num_rows: dict[str, int]) -> 
 
 
 def _add_tokens(rows: list[dict], totals: TokenCounts) -> None:
-    """Add the committed output rows' tokens to `totals` (a row's prompt counts once per sample row)."""
+    """Add the committed output rows' tokens to `totals`, as the engine counts them: a request's
+    prompt once (its first sample's row), every sample's output."""
     for row in rows:
-        prompt, cached = row["num_prompt_tokens"] or 0, row["num_cached_tokens"] or 0
-        totals.num_prompt_tokens += prompt
-        totals.num_cached_prompt_tokens += cached
-        totals.num_computed_prompt_tokens += prompt - cached
+        if row.get(SAMPLE_INDEX, 0) == 0:
+            prompt, cached = row["num_prompt_tokens"] or 0, row["num_cached_tokens"] or 0
+            totals.num_prompt_tokens += prompt
+            totals.num_cached_prompt_tokens += cached
+            totals.num_computed_prompt_tokens += prompt - cached
         totals.num_output_tokens += row["num_output_tokens"] or 0

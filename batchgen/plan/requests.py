@@ -96,6 +96,7 @@ def plan_requests(tokenizer: Any, requests: list[tuple[int, Any, SamplingParams]
             checked_vocab_size = None if tokenizer_ids_fit and _is_tokenized(prompt) else limits.vocab_size
             # a scoring request generates nothing: it may fill the whole context
             _check_prompt_tokens(token_ids, limits.max_prompt_len + (request_id in scores), checked_vocab_size)
+            _check_sampling_tokens(params, limits.vocab_size)
             if params.constraint is not None:
                 limits.check_constraint(params)
         except ValueError as error:
@@ -168,11 +169,26 @@ def _is_tokenized(prompt: Any) -> bool:
     return isinstance(prompt, str) or is_messages(prompt)
 
 
+def _check_sampling_tokens(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError when the sampling names a token id outside the vocabulary (allowed_token_ids,
+    logit_bias): silently dropped, it would sample what the request ruled out."""
+    for name, token_ids in (("allowed_token_ids", params.allowed_token_ids or []),
+                            ("logit_bias", params.logit_bias or {})):
+        outside = [token for token in token_ids if token >= vocab_size]
+        if outside:
+            raise ValueError(f"{name} holds token id {outside[0]}, outside the vocabulary [0, {vocab_size})")
+
+
+def prompt_length_error(num_tokens: int, max_prompt_len: int) -> str:
+    """The error of a prompt too long for the engine."""
+    return f"prompt has {num_tokens} tokens; the limit is {max_prompt_len}"
+
+
 def _check_prompt_tokens(token_ids: list[int], max_prompt_len: int, vocab_size: int | None) -> None:
     """Raise ValueError when the encoded prompt is too long or holds an id outside the vocabulary
     (not checked when `vocab_size` is None: ids the tokenizer made, which all fit)."""
     if len(token_ids) > max_prompt_len:
-        raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {max_prompt_len}")
+        raise ValueError(prompt_length_error(len(token_ids), max_prompt_len))
     if vocab_size is not None and token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
         bad = next(token for token in token_ids if not 0 <= token < vocab_size)
         raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")

@@ -123,3 +123,11 @@ def test_max_completion_tokens_is_max_tokens():
         SamplingParams(max_completion_tokens=0)
     with pytest.raises(ValueError, match=r"logit_bias\[5\] must be in \[-100, 100\]"):
         SamplingParams(logit_bias={5: 101})
+
+
+def test_a_token_id_outside_the_vocabulary_fails_its_request_alone(llm):
+    params = [greedy(allowed_token_ids=[3, 100_000]), greedy(logit_bias={600: 1.0}), greedy()]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert outputs[0].error == "allowed_token_ids holds token id 100000, outside the vocabulary [0, 512)"
+    assert outputs[1].error == "logit_bias holds token id 600, outside the vocabulary [0, 512)"
+    assert outputs[2].error is None and len(outputs[2].outputs[0].token_ids) == MAX_TOKENS

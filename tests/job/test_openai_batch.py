@@ -101,17 +101,17 @@ def test_a_mixed_file_gives_one_result_line_per_request_in_openais_shape(tmp_pat
     for line, message in BAD:
         answer = by_id[line["custom_id"]]
         assert answer["response"] is None and message in answer["error"]["message"]
-    assert "line 4 is not a JSON object" in json.loads(text[3])["error"]["message"]
+    assert "line 4: invalid JSON" in json.loads(text[3])["error"]["message"]
     for line in GOOD:
         answer = by_id[line["custom_id"]]
         assert answer["error"] is None and answer["response"]["status_code"] == 200
         body = answer["response"]["body"]
         parsed = (ChatCompletion if line["url"] == CHAT else Completion).model_validate(body)
         assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
-        assert body["model"] == str(model_dir) and "e2e_s" in body["batchgen"]
+        assert body["model"] == "tiny-llama" and "e2e_s" in body["batchgen"]  # as named, else the folder's name
     n_logprobs = ChatCompletion.model_validate(by_id["chat-n-logprobs"]["response"]["body"])
     assert [choice.index for choice in n_logprobs.choices] == [0, 1, 2]
-    assert all(len(choice.logprobs.content) == len(choice.logprobs.content) > 0 for choice in n_logprobs.choices)
+    assert sum(len(choice.logprobs.content) for choice in n_logprobs.choices) == n_logprobs.usage.completion_tokens
     assert all(len(position.top_logprobs) == 2 for choice in n_logprobs.choices for position in choice.logprobs.content)
     json_choice = by_id["chat-json"]["response"]["body"]["choices"][0]
     assert json_choice["finish_reason"] == "stop" and json.loads(json_choice["message"]["content"]).keys() == {"a"}
@@ -135,11 +135,50 @@ def test_greedy_chat_lines_are_what_llm_generate_gives_and_penalties_apply(tmp_p
     assert contents == [output.text for output in expected]
 
 
+def test_a_stop_string_ends_a_completion_as_llm_generate_ends_it(tmp_path, model_dir, llm):
+    prompt = words(80, 81, 82)
+    [free] = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+    stop = free.outputs[0].text[4:6]
+    run_batch(tmp_path, model_dir, [request("s", COMPLETIONS, prompt=prompt, max_tokens=20, temperature=0, stop=stop)])
+    [expected] = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, stop=[stop]), use_tqdm=False)
+    choice = results(tmp_path / "results.jsonl")["s"]["response"]["body"]["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (expected.outputs[0].text, "stop") and len(choice["text"]) <= 4
+
+
+def test_null_fields_are_fields_not_given_and_developer_is_system(tmp_path, model_dir, llm):
+    line = request("nulls", CHAT, messages=[{"role": "developer", "content": "w5"}, *chat(words(10, 11))],
+                   max_tokens=4, temperature=0, top_p=None, stop=None, seed=None, stream=None, logit_bias=None)
+    run_batch(tmp_path, model_dir, [line])
+    answer = results(tmp_path / "results.jsonl")["nulls"]
+    [expected] = llm.generate([[{"role": "system", "content": "w5"}, *chat(words(10, 11))]],
+                              SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert answer["error"] is None
+    assert answer["response"]["body"]["choices"][0]["message"]["content"] == expected.outputs[0].text
+
+
 def test_an_errors_file_takes_the_failed_lines(tmp_path, model_dir):
     result = run_batch(tmp_path, model_dir, [GOOD[0], BAD[0][0]], "--errors", str(tmp_path / "errors.jsonl"))
     assert result.exit_code == 1, result.output
     assert list(results(tmp_path / "results.jsonl")) == ["chat-greedy"]
     assert list(results(tmp_path / "errors.jsonl")) == ["unknown-field"]
+
+
+def test_an_errors_file_never_replaces_a_file_batchgen_did_not_write(tmp_path, model_dir):
+    (tmp_path / "mine.jsonl").write_text("my notes\n")
+    result = run_batch(tmp_path, model_dir, [GOOD[0], BAD[0][0]], "--errors", str(tmp_path / "mine.jsonl"))
+    assert result.exit_code == 101 and "mine.jsonl' was not written by batchgen" in result.output
+    assert (tmp_path / "mine.jsonl").read_text() == "my notes\n"
+    refused = run_batch(tmp_path, model_dir, [GOOD[0]], "--errors", str(tmp_path / "requests.jsonl"))
+    assert refused.exit_code == 101 and "would write over the job's input" in refused.output
+    assert json.loads((tmp_path / "requests.jsonl").read_text())["custom_id"] == "chat-greedy"
+
+
+def test_a_limit_that_cuts_a_line_of_several_prompts_leaves_the_line_for_the_rerun(tmp_path, model_dir):
+    lines = [GOOD[0], GOOD[-1]]  # the second line has 2 prompts: rows 1 and 2
+    run_batch(tmp_path, model_dir, lines, "--limit", "2")
+    assert list(results(tmp_path / "results.jsonl")) == ["chat-greedy"]
+    run_batch(tmp_path, model_dir, lines)
+    assert len(results(tmp_path / "results.jsonl")["completion-list"]["response"]["body"]["choices"]) == 4
 
 
 def test_a_repeated_custom_id_is_refused_at_load_naming_both_lines(tmp_path, model_dir):

@@ -235,3 +235,34 @@ def test_without_ray_the_job_is_refused_with_how_to_install_it(tmp_path, model_d
     with pytest.raises(JobConfigError, match=r"executor: ray needs Ray Data: pip install 'batchgen\[ray\]'"):
         run_job(config, use_tqdm=False)
     assert not (tmp_path / "ray.parquet.shards").exists()  # refused before any work
+
+
+def test_an_openai_batch_runs_on_ray_as_it_runs_here(cluster, tmp_path, model_dir):
+    """Ray workers run the driver's plan whole: prompt logprobs (echo), n samples and seeds included."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    lines = [{"custom_id": "chat", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "w10 w11 w12"}], "max_tokens": 5, "temperature": 0}},
+             {"custom_id": "echo", "url": "/v1/completions",
+              "body": {"prompt": "w20 w21 w22 w23", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}},
+             {"custom_id": "samples", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "w30"}], "max_tokens": 6, "n": 2, "seed": 3}}]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"method": "POST", **line}) + "\n" for line in lines))
+    engine = [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
+    answers = {}
+    for executor in ("local", "ray"):
+        output = tmp_path / f"{executor}.jsonl"
+        result = CliRunner().invoke(main, ["run-batch", str(requests), "-o", str(output), "--model", str(model_dir),
+                                           "--no-progress", "--executor", executor, *engine], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        answers[executor] = {line["custom_id"]: line["response"]["body"]
+                             for line in map(json.loads, output.read_text().splitlines())}
+    for custom_id in ("chat", "echo", "samples"):
+        here, there = answers["local"][custom_id], answers["ray"][custom_id]
+        assert here["choices"] == there["choices"]
+        assert (here["usage"]["prompt_tokens"], here["usage"]["completion_tokens"]) == \
+            (there["usage"]["prompt_tokens"], there["usage"]["completion_tokens"])
+    assert len(answers["ray"]["echo"]["choices"][0]["logprobs"]["tokens"]) == 3 + 4  # prompt from its 2nd token

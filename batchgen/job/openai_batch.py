@@ -11,22 +11,27 @@ Body fields: ``messages`` (chat: text content, or content-part lists of ``text``
 model than the one loaded is that line's error), ``logprobs`` / ``top_logprobs`` (chat) and
 ``logprobs`` (completions), ``echo`` (completions), ``response_format`` (``text``,
 ``json_object``, ``json_schema``), and the sampling fields of `SAMPLING_FIELDS` (OpenAI's, and
-vLLM's extras). ``user``, ``metadata``, ``store`` and ``stream: false`` are accepted and do
-nothing offline; any other field is the line's error, naming it. A request without
+vLLM's extras). A field set to null is a field not given (SDKs write them so); a ``developer``
+message is a system message. ``user``, ``metadata``, ``store`` and ``stream: false`` are accepted
+and do nothing offline; any other field is the line's error, naming it. A request without
 ``max_tokens`` generates until it stops or the model's context ends, as OpenAI's does.
 
 Result lines (`result_lines`): ``{"id", "custom_id", "response": {"status_code": 200,
 "request_id", "body"}, "error": null}`` with a ``chat.completion`` or ``text_completion`` body in
-OpenAI's shape (choices, finish reasons, logprobs, usage with cached tokens) plus a ``batchgen``
-field with the request's timing; a line that failed gets ``"response": null`` and ``"error":
-{"code", "message"}``.
+OpenAI's shape (choices, finish reasons, logprobs, usage with cached tokens; the model named as
+the request named it) plus a ``batchgen`` field with the request's timing; a line that failed
+gets ``"response": null`` and ``"error": {"code", "message"}``: ``invalid_request`` for a request
+that never ran, ``invalid_output`` for an output its ``json_schema`` refused. With echo, a
+completion's logprobs start at the prompt's second token (the first has none, and OpenAI's
+types hold a number for every token listed).
 
 Invariants:
 - Every line is one row or several (`num_prompts`), each its own, exactly as `OpenAIBatchSource`
   counts them when opened; a line that cannot run is one row with ``error`` set.
 - A ``custom_id`` appears on one line only: a file that repeats one is refused when opened,
   naming both lines.
-- `result_lines` gives one result line per request line, from its rows' output rows, in input order.
+- `result_lines` gives one result line per request line whose every prompt has its rows (a run
+  cut short by a limit leaves a line's other prompts out: that line waits for them), in input order.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ import pyarrow as pa
 import xxhash
 
 from batchgen.io.input_rows import InputRow, InputSource, row_error
-from batchgen.prompts import check_messages
+from batchgen.io.json_lines import json_objects
+from batchgen.prompts import check_messages, is_token_id
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
@@ -93,15 +99,10 @@ class OpenAIBatchSource(InputSource):
     def make_row(self, index: int, record: dict, *args: Any) -> InputRow:
         return request_row(index, record["line_number"], record["line"], record["prompt_index"], self.model_names)
 
-    def _lines(self) -> Iterator[tuple[int, Any]]:
-        """(line number, the parsed line, or a `BadRequest` for a line that is not JSON) of every non-blank line."""
-        with open(self.path, "rb") as file:
-            for line_number, raw in enumerate(file, start=1):
-                if raw.strip():
-                    try:
-                        yield line_number, json.loads(raw.decode("utf-8-sig" if line_number == 1 else "utf-8"))
-                    except ValueError as error:
-                        yield line_number, BadRequest(f"line {line_number} is not a JSON object: {error}")
+    def _lines(self) -> Iterator[tuple[int, dict | BadRequest]]:
+        """(line number, the line's object, or a `BadRequest` for a line that is not one) of every non-blank line."""
+        for line_number, value in json_objects(self.path):
+            yield line_number, value if isinstance(value, dict) else BadRequest(value)
 
 
 def num_prompts(line: Any) -> int:
@@ -128,9 +129,10 @@ def request_row(index: int, line_number: int, line: Any, prompt_index: int, mode
     except BadRequest as error:
         carried[REQUEST] = json.dumps({"line": line_number})
         return InputRow(index, str(custom_id), None, row_error(index, str(error)), carried, {})
-    carried[REQUEST] = json.dumps({"line": line_number, "endpoint": ENDPOINTS[url], **request,
-                                   **_logprob_options(url, body)})
-    return InputRow(index, custom_id, prompt, None, carried, overrides)
+    carried[REQUEST] = json.dumps({"line": line_number, "endpoint": ENDPOINTS[url], "model": body.get("model"),
+                                   **request, **_logprob_options(url, body)})
+    row_id = custom_id if request["num_prompts"] == 1 else f"{custom_id}#{prompt_index}"  # its own seed
+    return InputRow(index, row_id, prompt, None, carried, overrides)
 
 
 def _checked_line(line: Any, line_number: int) -> tuple[str, dict]:
@@ -147,9 +149,9 @@ def _checked_line(line: Any, line_number: int) -> tuple[str, dict]:
         raise BadRequest(f"line {line_number}: method must be POST, got {line['method']!r}")
     if line["url"] not in ENDPOINTS:
         raise BadRequest(f"line {line_number}: url must be {CHAT_URL} or {COMPLETIONS_URL}, got {line['url']!r}")
-    body = line["body"]
-    if not isinstance(body, dict):
+    if not isinstance(line["body"], dict):
         raise BadRequest(f"line {line_number}: body must be a JSON object")
+    body = {key: value for key, value in line["body"].items() if value is not None}
     unknown = sorted(set(body) - set(REQUEST_FIELDS[line["url"]]) - set(SAMPLING_FIELDS) - set(NO_OP_FIELDS))
     if unknown:
         raise BadRequest(f"line {line_number}: body fields {', '.join(unknown)} are not supported")
@@ -167,7 +169,7 @@ def _prompt(url: str, body: dict, prompt_index: int, count: int) -> tuple[Any, d
     if _is_prompt_list(prompt) and not all(isinstance(item, int) for item in prompt):
         prompt = prompt[prompt_index]
     if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt
-                                                        and all(_is_token_id(item) for item in prompt)):
+                                                        and all(is_token_id(item) for item in prompt)):
         raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of those")
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
@@ -175,10 +177,6 @@ def _prompt(url: str, body: dict, prompt_index: int, count: int) -> tuple[Any, d
     if echo and not isinstance(prompt, str):
         raise BadRequest("echo needs a text prompt")
     return prompt, {**place, "echo": echo, **({"echo_text": prompt} if echo else {})}
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _messages(messages: Any) -> list[dict]:
@@ -189,6 +187,8 @@ def _messages(messages: Any) -> list[dict]:
     for position, message in enumerate(messages):
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             message = {**message, "content": _text_of_parts(message["content"], position)}
+        if isinstance(message, dict) and message.get("role") == "developer":  # OpenAI's newer name
+            message = {**message, "role": "system"}
         flattened.append(message)
     try:
         return check_messages(flattened)
@@ -236,7 +236,7 @@ def _logprob_options(url: str, body: dict) -> dict:
         top = body.get("top_logprobs", 0)
     else:
         top = body.get("logprobs")
-    if top is not None and (not _is_token_id(top) or top > 20):
+    if top is not None and (not is_token_id(top) or top > 20):
         raise BadRequest(f"{'top_logprobs' if url == CHAT_URL else 'logprobs'} must be an integer in [0, 20], got {top!r}")
     return {"top_logprobs": top}
 
@@ -264,14 +264,17 @@ ROW_PREFIX = re.compile(r"^row \d+: ")
 
 def result_lines(rows: Iterable[dict], model: str) -> Iterator[tuple[bool, dict]]:
     """(is_error, result line) per request line, from the output rows of its prompts' rows in row
-    order (each row's samples in sample order)."""
+    order (each row's samples in sample order); `model`: the loaded model's name."""
     for _, group in itertools.groupby(rows, key=lambda row: json.loads(row[REQUEST])["line"]):
         group = list(group)
+        request = json.loads(group[0][REQUEST])
+        if len({row["row_index"] for row in group}) < request.get("num_prompts", 1):
+            continue  # a prompt of this line is not in the output yet
         failed = next((row for row in group if row["finish_reason"] == "error"), None)
         if failed is not None:
             yield True, _error_line(failed)
         else:
-            yield False, _result_line(group, model)
+            yield False, _result_line(group, request.get("model") or model)
 
 
 def _request_id(custom_id: str | None) -> str:
@@ -279,16 +282,18 @@ def _request_id(custom_id: str | None) -> str:
 
 
 def _error_line(row: dict) -> dict:
+    """A failed request's line: it never ran (its output text is null), or its output was refused."""
     message = ROW_PREFIX.sub("", row["error"] or "failed")
+    code = "invalid_request" if row["output_text"] is None else "invalid_output"
     return {"id": f"batch_req_{_request_id(row[CUSTOM_ID])}", "custom_id": row[CUSTOM_ID], "response": None,
-            "error": {"code": "invalid_request", "message": message}}
+            "error": {"code": code, "message": message}}
 
 
 def _result_line(rows: list[dict], model: str) -> dict:
     request = json.loads(rows[0][REQUEST])
     request_id = _request_id(rows[0][CUSTOM_ID])
     is_chat = request["endpoint"] == "chat.completion"
-    prompts = {row["row_index"]: row for row in rows}  # one a prompt: its first sample
+    prompts = {row["row_index"]: row for row in rows}  # one row a prompt (its samples share its prompt's counts)
     body = {
         "id": f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}",
         "object": request["endpoint"],
