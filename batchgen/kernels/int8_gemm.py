@@ -7,7 +7,7 @@ the OS's permission to use the tile registers).
 
 Invariants:
 - `pack` copies a [n, k] int8 weight into the kernel's panel layout once, its inputs padded
-  with zeros to a multiple of `input_multiple()`; `linear` pads each quantized row alike.
+  with zeros to `padded_inputs(k)`; `linear` pads each quantized row alike.
 - `linear` equals `int8_linear`'s torch computation of the same quantization exactly (its rows
   quantized as `int8_linear.quantize_rows` does, the int32 sums exact, the float32 scaling in
   the same order, the bf16 rounding once).
@@ -61,13 +61,12 @@ def instructions() -> str | None:
     return "AMX-INT8" if library.bg_int8_gemm_panel_columns() == AMX_PANEL_COLUMNS else "AVX512-VNNI"
 
 
-def input_multiple() -> int:
-    """The multiple the inputs of a packed weight and a quantized row are padded to (64)."""
-    return _library().bg_int8_gemm_input_multiple()
-
-
+@functools.cache
 def padded_inputs(in_features: int) -> int:
-    return -(-in_features // input_multiple()) * input_multiple()
+    """`in_features` padded to the kernel's input multiple (64): a packed weight's and a
+    quantized row's length."""
+    multiple = _library().bg_int8_gemm_input_multiple()
+    return -(-in_features // multiple) * multiple
 
 
 def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,28 +78,6 @@ static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, 
 #define INPUT_MULTIPLE CHUNK_INPUTS
 #define MAX_ROWS 1024
 #define SUPER_ROWS 512                    /* rows whose x stays in L2 while the thread's panels pass */
-/* tile registers: four accumulators (top / bottom rows x left / right columns), two x, two weight */
-#define C_TOP_LEFT 0
-#define C_TOP_RIGHT 1
-#define C_BOTTOM_LEFT 2
-#define C_BOTTOM_RIGHT 3
-#define X_TOP 4
-#define X_BOTTOM 5
-#define W_LEFT 6
-#define W_RIGHT 7
-
-/* Every tile 64 bytes a row; the accumulators and x tiles of the top and bottom 16 rows of a
- * block hold `top` and `bottom` rows (0: that tile unused), the weight tiles 16 input pairs. */
-static void configure_tiles(int top, int bottom) {
-    TileConfig config = {.palette_id = 1};
-    int rows[8] = {top, top, bottom, bottom, top, bottom, CHUNK_INPUTS / 2, CHUNK_INPUTS / 2};
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = (uint8_t)rows[t];
-        config.bytes_per_row[t] = rows[t] > 0 ? 64 : 0;
-    }
-    _tile_loadconfig(&config);
-}
-
 /* One block: rows [0, top + bottom) of x (row stride k) times the 32 panel columns at `w`, into
  * `sums` as four 16 x 16 float32 tiles (top left, top right, bottom left, bottom right); its
  * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly. */
@@ -171,14 +149,14 @@ static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
                         int64_t n, uint16_t *out, int64_t first, int64_t last) {
     int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
     if (full_rows > 0) {
-        configure_tiles(16, 16);
+        configure_block_tiles(16, 16);
         for (int64_t start = 0; start < full_rows; start += SUPER_ROWS)
             row_pass(x, k, weight, bias, n, out, first, last, start,
                      start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows, BLOCK_ROWS);
     }
     if (m > full_rows) {
         int rows = (int)(m - full_rows);
-        configure_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+        configure_block_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
         row_pass(x, k, weight, bias, n, out, first, last, full_rows, m, rows);
     }
     _tile_release();
