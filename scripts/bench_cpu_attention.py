@@ -15,6 +15,9 @@ the engine's shared-prefix groups against without.
 Then, where the CPU has AMX-BF16, the AMX kernels (bfloat16): the causal prefills against SDPA,
 a decode step and the cascade decode (its groups) against the AVX-512 decode kernel's.
 
+Then the decode step over an int8 pool (`kv_cache_dtype: int8`, the same K/V quantized) against
+the bf16 kernels over the bf16 pool.
+
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
 
@@ -27,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels import amx_attention, cpu_attention, kv_int8
 from batchgen.kernels.attention_kernel import PagedSeqs
 from batchgen.kernels.shared_prefixes import prefix_groups
 
@@ -96,6 +99,25 @@ def main(argv: list[str] | None = None) -> None:
     compare_prefill(max(3, repeats // 10), scale)
     compare_cascade(repeats, scale)
     compare_amx(max(3, repeats // 10), scale)
+    compare_int8_kv(repeats, scale)
+
+
+def compare_int8_kv(repeats: int, scale: float) -> None:
+    """One decode step over the int8 pool against the bf16 kernels over the bf16 pool it quantizes."""
+    print(f"\nint8 K/V decode {NUM_SEQS}x{CONTEXT_LEN}, bfloat16 queries\n{'bf16 kernel':<16}{'int8 ms':>8}"
+          f"{'bf16 ms':>10}{'speedup':>9}{'max abs diff':>14}")
+    if not kv_int8.is_available():
+        print("the int8 K/V kernel does not run here (needs AVX-512 and AVX512-BF16)")
+        return
+    q, k_cache, v_cache, block_tables, context_lens = make_inputs(torch.bfloat16)
+    int8 = kernel_call(q, kv_int8.quantize(k_cache), kv_int8.quantize(v_cache), block_tables, context_lens, scale)
+    int8_ms = median_ms(kv_int8.paged_decode_attention, int8, repeats)
+    kernels = {"avx-512": cpu_attention.paged_decode_attention}
+    if amx_attention.supports(torch.bfloat16, HEAD_DIM):
+        kernels["amx"] = amx_attention.paged_decode_attention
+    for name, kernel in kernels.items():
+        bf16 = kernel_call(q, k_cache, v_cache, block_tables, context_lens, scale)
+        report(name, int8_ms, median_ms(kernel, bf16, repeats), int8[-1], bf16[-1])
 
 
 def causal_prefill(num_tokens: int, dtype: torch.dtype, scale: float):

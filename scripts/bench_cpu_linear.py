@@ -1,15 +1,15 @@
 """Micro-benchmark: one layer's linear products through torch's GEMM, oneDNN-packed weights and,
-in bf16 where it runs, batchgen's bf16 GEMM kernel (CPU).
+in bf16 where they run, batchgen's bf16 GEMM kernel and its int8 (W8A8) kernel (CPU).
 
 The weights are SmolLM2-135M's (q, k, v, o, gate, up, down of one layer, plus the 49152-row
 lm_head), each product at several row counts (decode batches and a prefill chunk). Every
 timed call walks all 30 layers' worth of distinct weight copies, so weights come from memory
 as in a real step, not from cache. Prints median ms per layer (lm_head separately) for each
 GEMM, the packed ones' speedups over torch's, and the largest relative difference between a
-packed result and torch's.
+packed result and torch's (int8_gemm's, which quantizes, left out of it).
 
     python scripts/bench_cpu_linear.py [--repeats 10] [--rows 1,8,32,128,2048] [--layers 30]
-    python scripts/bench_cpu_linear.py --dtype bfloat16      # adds bf16_gemm's column where it runs
+    python scripts/bench_cpu_linear.py --dtype bfloat16      # adds bf16_gemm's and int8_gemm's columns
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from bench_cpu_attention import median_ms
 
-from batchgen.kernels import bf16_gemm
+from batchgen.kernels import bf16_gemm, int8_gemm
+from batchgen.kernels.int8_linear import int8_linear, quantize_weight
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, NUM_LAYERS = 576, 1536, 192, 49152, 30
+QUANTIZED = "int8_gemm"  # its results differ from torch's by the quantization
 LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),
                 (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
@@ -39,6 +41,8 @@ def gemms(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list]:
     if dtype == torch.bfloat16 and bf16_gemm.is_available():
         found["bf16_gemm"] = [lambda x, w=w, p=bf16_gemm.pack(w): bf16_gemm.linear(x, p, None, w.shape[0])
                                 for w in weights]
+    if dtype == torch.bfloat16 and int8_gemm.is_available():
+        found[QUANTIZED] = [lambda x, p=quantize_weight(w, "int8"): int8_linear(x, p, None) for w in weights]
     return found
 
 
@@ -54,7 +58,7 @@ def compare(name: str, weights: list[torch.Tensor], products: dict, num_rows: in
     x = inputs[weights[0].shape[1]]
     expected = F.linear(x, weights[0]).float()
     diff = max(((calls[0](x).float() - expected).abs().max() / expected.abs().max()).item()
-               for gemm, calls in products.items() if gemm != "torch")
+               for gemm, calls in products.items() if gemm not in ("torch", QUANTIZED))
     speedups = "".join(f"{times['torch'] / ms:>11.2f}x" for gemm, ms in times.items() if gemm != "torch")
     print(f"{name:<10}{num_rows:>6}" + "".join(f"{ms:>14.3f}" for ms in times.values()) + f"{speedups}{diff:>12.1e}")
 

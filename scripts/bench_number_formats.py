@@ -6,7 +6,7 @@ top of bf16's), each on a pool just large enough, holding the same step (`roofli
 `--prefill-tokens`). Steps run interleaved: every format's step once per repetition, after a
 warm-up; the table shows the median, and each format's time over bf16's.
 
-    python scripts/bench_number_formats.py --out scripts/results/cpu/number-formats.json
+    python scripts/bench_number_formats.py --threads 1 --out scripts/results/cpu/number-formats.json
 """
 
 from __future__ import annotations
@@ -57,9 +57,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", default="256,1024", type=int_tuple)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default torch's); 1 keeps a neighbour's load out of every parallel region")
     parser.add_argument("--out", default="number-formats.json")
     args = parser.parse_args(argv)
     formats = [name for name in args.formats.split(",") if name]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_bench_model(None, "cpu", "bfloat16")
     cases = [("decode", batch, context, 1) for context in args.contexts for batch in args.batches]
     cases.append(("prefill", 1, args.prefill_tokens, args.prefill_tokens))
