@@ -72,7 +72,7 @@ def test_store_quantizes_new_rows_into_their_slots():
     assert not k_cache.view(-1, 2, 68)[1:17].any()
 
 
-needs_kernel = pytest.mark.skipif(not kv_int8.is_available(), reason="no C compiler or no AVX512-BF16")
+needs_kernel = pytest.mark.skipif(not kv_int8.is_available(), reason="no C compiler, AVX512-VNNI or AVX512-BF16")
 
 
 @needs_kernel
@@ -95,8 +95,10 @@ def test_decode_kernel_is_the_attention_of_the_dequantized_rows(num_heads, num_k
     got, expected = torch.empty_like(q), torch.empty_like(q.float())
     with torch_threads(threads):
         assert kv_int8.paged_decode_attention(q, pool[0], pool[1], seqs, head_dim ** -0.5, got)
-    # the same attention in float32 (the rows dequantized to float32), then rounded to bf16 once
-    assert gather_decode(q.float(), pool[0], pool[1], seqs, head_dim ** -0.5, expected)
+    # the same attention in float32: the scaled queries quantized as the pool's rows are, every row
+    # dequantized to float32; then rounded to bf16 once
+    queries = kv_int8.dequantize(kv_int8.quantize(q.float() * head_dim ** -0.5), torch.float32)
+    assert gather_decode(queries, pool[0], pool[1], seqs, 1.0, expected)
     torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
 
 
