@@ -3,12 +3,18 @@
     python scripts/bench_families.py                       # every family, bfloat16, "small" dims
     python scripts/bench_families.py --families qwen3,gemma3_text --repeats 5
     python scripts/bench_families.py --size tiny --repeats 1 --out /tmp/families.json   # smoke run
+    python scripts/bench_families.py --memory --out scripts/results/cpu/families-memory.json
 
 Every family is a seeded random model (`bench_models.family_config`) at one set of dimensions,
 run by batchgen with its default engine (the fused step where it applies): the same prompts,
 longer than the local layers' window, greedy, a fixed number of output tokens. Each model runs
 one warm-up call, then the repetitions run interleaved across families (rep 1 of every family,
 then rep 2, ...); the report gives each family's median output tok/s and its ratio to the Llama's.
+
+`--memory` instead runs one long-prompt job on a Gemma 3 model (local layers with a window, one
+global layer in six, as Gemma 3's own) and on its twin with every layer global: the pool's
+blocks held at the end of the job and the process's peak RSS increase during it, against what
+the local layers would hold if only their window's blocks stayed resident.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import machine_info  # noqa: E402
+from bench import PeakRSS, machine_info  # noqa: E402
 from bench_models import EOS_ID, FAMILIES, RANDOM_SEED, family_config, word_tokenizer  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
@@ -43,11 +49,15 @@ SIZES = {
 }
 
 
-def family_llm(family: str, size: dict, dtype: torch.dtype) -> LLM:
-    """batchgen over a seeded random `family` model of `size`'s dimensions, in `dtype`."""
+def family_llm(family: str, size: dict, dtype: torch.dtype, **overrides) -> LLM:
+    """batchgen over a seeded random `family` model of `size`'s dimensions (config attributes
+    `overrides` set after), in `dtype`."""
     dims = {**size["dims"], "eos_token_id": EOS_ID, "bos_token_id": 1, "pad_token_id": EOS_ID}
+    config = family_config(family, dims, size["window"])
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(RANDOM_SEED)
-    model = transformers.AutoModelForCausalLM.from_config(family_config(family, dims, size["window"]))
+    model = transformers.AutoModelForCausalLM.from_config(config)
     return LLM(model.to(dtype).eval(), tokenizer=word_tokenizer(dims["vocab_size"]))
 
 
@@ -66,6 +76,33 @@ def run_once(llm: LLM, prompt_ids: list[list[int]], output_len: int) -> float:
     return sum(len(output.token_ids) for output in outputs) / (time.perf_counter() - start)
 
 
+MEMORY_JOB = dict(num_prompts=8, prompt_len=4096, output_len=4)
+
+
+def memory_report(size: dict, dtype: torch.dtype) -> dict:
+    """The pool held by one long-prompt job of a Gemma 3 model and of its all-global twin."""
+    num_layers, window = size["dims"]["num_hidden_layers"], size["window"]
+    layer_types = ["full_attention" if (index + 1) % 6 == 0 else "sliding_attention" for index in range(num_layers)]
+    rows = []
+    for name, types in (("gemma3_text", layer_types), ("gemma3_text, every layer global", ["full_attention"] * num_layers)):
+        sized = {**size, "dims": {**size["dims"], "max_position_embeddings": 8192}}
+        llm = family_llm("gemma3_text", sized, dtype, layer_types=types)
+        prompt_ids = prompts({**sized, "num_prompts": MEMORY_JOB["num_prompts"], "prompt_len": MEMORY_JOB["prompt_len"]})
+        run_once(llm, [ids[:64] for ids in prompt_ids[:2]], 2)  # warm-up: kernels built, weights packed
+        with PeakRSS() as rss:
+            run_once(llm, prompt_ids, MEMORY_JOB["output_len"])
+        runner, blocks = llm.engine.runner, llm.engine.block_manager
+        block_bytes = runner.spec.bytes_per_token * runner.block_size
+        held = blocks.num_used_blocks + blocks.num_cached_blocks
+        num_local = types.count("sliding_attention")
+        window_blocks = MEMORY_JOB["num_prompts"] * (-(-window // runner.block_size) + 1)
+        resident = (held * (num_layers - num_local) + window_blocks * num_local) * block_bytes // num_layers
+        rows.append({"model": name, "num_local_layers": num_local, "pool_blocks_held": held,
+                     "pool_bytes_held": held * block_bytes, "peak_rss_increase_bytes": rss.peak_increase,
+                     "pool_bytes_if_local_layers_kept_only_their_window": resident})
+    return {"job": MEMORY_JOB, "window": window, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
@@ -73,10 +110,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch's CPU threads")
+    parser.add_argument("--memory", action="store_true", help="the long-prompt pool measurement instead")
     parser.add_argument("--out", default="scripts/results/cpu/families.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     size, dtype = SIZES[args.size], getattr(torch, args.dtype)
+    if args.memory:
+        report = {**memory_report(size, dtype), "machine": machine_info(torch.device("cpu"))}
+        print(json.dumps(report["rows"], indent=2))
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return report
     families = ["llama"] + [family for family in args.families.split(",") if family != "llama"]
     llms = {family: family_llm(family, size, dtype) for family in families}
     prompt_ids = prompts(size)
