@@ -84,10 +84,11 @@ def memory_report(size: dict, dtype: torch.dtype) -> dict:
     num_layers, window = size["dims"]["num_hidden_layers"], size["window"]
     layer_types = ["full_attention" if (index + 1) % 6 == 0 else "sliding_attention" for index in range(num_layers)]
     rows = []
-    for name, types in (("gemma3_text", layer_types), ("gemma3_text, every layer global", ["full_attention"] * num_layers)):
+    twins = (("gemma3_text", layer_types), ("gemma3_text, every layer global", ["full_attention"] * num_layers))
+    for name, types in twins:
         sized = {**size, "dims": {**size["dims"], "max_position_embeddings": 8192}}
         llm = family_llm("gemma3_text", sized, dtype, layer_types=types)
-        prompt_ids = prompts({**sized, "num_prompts": MEMORY_JOB["num_prompts"], "prompt_len": MEMORY_JOB["prompt_len"]})
+        prompt_ids = prompts({**sized, **MEMORY_JOB})
         run_once(llm, [ids[:64] for ids in prompt_ids[:2]], 2)  # warm-up: kernels built, weights packed
         with PeakRSS() as rss:
             run_once(llm, prompt_ids, MEMORY_JOB["output_len"])

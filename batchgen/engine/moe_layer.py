@@ -6,8 +6,9 @@ routing is transformers' to the bit. The step's (row, expert) pairs are then sor
 (stable: rows in order within an expert), and each expert runs its two products once, over all
 its rows of the step, on its packed weights (`cpu_linear`), with the family's activation between
 (SiLU(gate) * up on halves through the fused op, another activation's module, or gpt-oss'
-clamped GLU through its fused op, its interleaved gate and up columns made halves at load). Each row's expert outputs, scaled by their router
-weights, are added into it in expert order, as transformers' loop over experts adds them.
+clamped GLU through its fused op, its interleaved gate and up columns made halves at load). Each
+row's expert outputs, scaled by their router weights, are added into it in expert order, as
+transformers' loop over experts adds them.
 """
 
 from __future__ import annotations

@@ -317,9 +317,9 @@ class NativeBackend(AttentionBackend):
     prefill chunk over the pool in one call; where it does not run them, `variant_prefill` does
     for a layer whose variant SDPA has no argument for (a soft-cap or sinks: through SDPA they
     run eagerly in float32), else SDPA (a window as its mask: in bfloat16 on a CPU with AMX,
-    faster than the C kernel's windowed prefill). Through SDPA, a prefill chunk with no cached context attends to its own new K/V
-    without touching the pool (over an int8 pool it reads them as stored, so a prompt attends
-    alike whether its prefix was cached or not).
+    faster than the C kernel's windowed prefill). Through SDPA, a prefill chunk with no cached
+    context attends to its own new K/V without touching the pool (over an int8 pool it reads
+    them as stored, so a prompt attends alike whether its prefix was cached or not).
     """
 
     name = "native"
