@@ -7,7 +7,9 @@ bfloat16 on this machine, one engine per mode over the same loaded weights:
   dialogue, Python, C and SQL; about 3,300 tokens) is one prompt whose every position's logits
   the engine keeps, as it does for `LLM.score` (a scored prompt): the mean over tokens of
   KL(bf16 || mode) in nats, from the float32 log-softmax of each mode's logits, and each mode's
-  perplexity of the texts.
+  perplexity of the texts. The same again through decode steps (`decode`): each text's first
+  `DECODE_PROMPT_TOKENS` tokens prefilled, then every later token fed as one decode step, as
+  generation runs (decode attention has kernels of its own).
 - **Greedy agreement** on the peer workloads (`--workloads`, `scripts/bench_workloads.py`): the
   share of output tokens equal to bf16's at the same position, of rows equal throughout, and of
   rows whose first output token is bf16's (their prompts are random token ids: once a row's
@@ -50,6 +52,7 @@ MODES = {  # mode name -> engine options; "bf16" is the reference
     "int8+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
 KV_CACHE_BYTES = 2**30
+DECODE_PROMPT_TOKENS = 32
 NUM_SHOTS = 5
 
 
@@ -64,20 +67,38 @@ def text_log_probs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[: len(token_ids) - 1].float(), dim=-1)
 
 
-def text_metrics(llms: dict[str, LLM], texts: dict[str, list[int]]) -> dict[str, dict]:
-    """Per mode: mean KL(bf16 || mode) per token (nats), its largest token, and perplexity."""
+def decoded_log_probs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """As `text_log_probs`, for positions DECODE_PROMPT_TOKENS - 1 .. len - 2: the first
+    DECODE_PROMPT_TOKENS tokens prefilled in one step, then each later token one decode step."""
+    runner = llm.engine.runner
+    llm.reset_prefix_cache()
+    seq = Sequence(0, token_ids[:DECODE_PROMPT_TOKENS], SamplingParams(), 0.0)
+    seq.block_table = list(range(-(-len(token_ids) // runner.block_size)))
+    rows = [runner.execute(ScheduledStep([ScheduledSeq(seq, DECODE_PROMPT_TOKENS)]))[-1]]
+    for token in token_ids[DECODE_PROMPT_TOKENS:-1]:
+        seq.num_computed_tokens = len(seq)
+        seq.token_ids.append(token)
+        rows.append(runner.execute(ScheduledStep([ScheduledSeq(seq, 1)]))[-1])
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
+def text_metrics(llms: dict[str, LLM], texts: dict[str, list[int]], decode: bool = False) -> dict[str, dict]:
+    """Per mode: mean KL(bf16 || mode) per token (nats), its largest token, and perplexity, of
+    every position's logits from one prefill (`decode`: from decode steps, `decoded_log_probs`)."""
+    log_probs_of = decoded_log_probs if decode else text_log_probs
+    first = DECODE_PROMPT_TOKENS if decode else 1  # the first predicted token
     sums = {mode: {"kl": 0.0, "max_kl": 0.0, "nll": 0.0} for mode in llms}
     num_tokens = 0
     for token_ids in texts.values():
-        targets = torch.tensor(token_ids[1:])[:, None]
-        reference = text_log_probs(llms["bf16"], token_ids)
+        targets = torch.tensor(token_ids[first:])[:, None]
+        reference = log_probs_of(llms["bf16"], token_ids)
         for mode, llm in llms.items():
-            log_probs = reference if mode == "bf16" else text_log_probs(llm, token_ids)
+            log_probs = reference if mode == "bf16" else log_probs_of(llm, token_ids)
             kl = (reference.exp() * (reference - log_probs)).sum(dim=-1)
             sums[mode]["kl"] += float(kl.sum())
             sums[mode]["max_kl"] = max(sums[mode]["max_kl"], float(kl.max()))
             sums[mode]["nll"] -= float(log_probs.gather(1, targets).sum())
-        num_tokens += len(token_ids) - 1
+        num_tokens += len(token_ids) - first
     return {mode: {"mean_kl_nats": s["kl"] / num_tokens, "max_token_kl_nats": s["max_kl"],
                    "perplexity": math.exp(s["nll"] / num_tokens), "num_tokens": num_tokens}
             for mode, s in sums.items()}
@@ -150,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
               "texts": {name: len(ids) for name, ids in texts.items()}}
     result["text"] = text_metrics(llms, texts)
     print(json.dumps(result["text"], indent=1), flush=True)
+    result["text_decode"] = text_metrics(llms, texts, decode=True)
+    print(json.dumps(result["text_decode"], indent=1), flush=True)
     result["multiple_choice"] = multiple_choice(llms, args.questions)
     print(json.dumps(result["multiple_choice"], indent=1), flush=True)
     vocab_size = loaded.model.config.vocab_size
