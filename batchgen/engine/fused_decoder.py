@@ -39,11 +39,13 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import NewGELUActivation
+from transformers.activations import GELUTanh, NewGELUActivation
 from torch import nn
 
 from batchgen.engine import calibration
@@ -136,12 +138,27 @@ class FusedLayer:
         return cls(*products, moe, *norms, qk_norm, attention.scale, attention.variant, rotary_key)
 
 
-def fused_activation(spec: ModelSpec, ops):
-    """A plain (not gated) MLP's activation: GPT-2's tanh GELU through `ops` where it has it (one
-    pass against eight tensor ops), else the family's module."""
-    if not spec.gated and isinstance(spec.activation, NewGELUActivation) and hasattr(ops, "gelu_new"):
+def fused_activation(spec: ModelSpec, ops) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's activation of its first product's rows (gate then up halves where gated): one
+    pass of `ops` for SiLU(gate) * up, Gemma's tanh GELU(gate) * up and GPT-2's tanh GELU where
+    `ops` has them, else the family's activation module."""
+    activation = spec.activation
+    if spec.gated and activation is None:
+        return functools.partial(gated, ops.silu_mul)
+    if spec.gated and isinstance(activation, GELUTanh) and hasattr(ops, "gelu_tanh_mul"):
+        return functools.partial(gated, ops.gelu_tanh_mul)
+    if spec.gated:
+        return lambda rows: activation(rows[:, :rows.shape[1] // 2]) * rows[:, rows.shape[1] // 2:]
+    if isinstance(activation, NewGELUActivation) and hasattr(ops, "gelu_new"):
         return ops.gelu_new
-    return spec.activation
+    return activation
+
+
+def gated(op, rows: torch.Tensor) -> torch.Tensor:
+    """`op(out, rows)` of a fused gate|up op into new rows half as wide."""
+    out = rows.new_empty((len(rows), rows.shape[1] // 2))
+    op(out, rows)
+    return out
 
 
 def fused_ops(device: torch.device):
@@ -183,8 +200,6 @@ class FusedDecoder:
         self.lm_head = pack(weights.lm_head, "none")
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.num_heads = weights.layers[0].qkv.weight.shape[0] // head_dim - 2 * num_kv_heads
-        self.intermediate_size = max((layer.mlp_in.out_features // 2 for layer in self.layers if layer.mlp_in),
-                                     default=0)
         self.row_bucket = row_bucket([self.lm_head] + [weight for layer in self.layers
                                                         for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)
                                                         if weight is not None])
@@ -290,16 +305,7 @@ class FusedDecoder:
             out = torch.zeros_like(x)
             out[:rows.num_tokens] = layer.moe.forward(x[:rows.num_tokens])
             return out
-        hidden = packed_linear(x, layer.mlp_in)
-        if self.spec.gated and self.spec.activation is None:
-            self.ops.silu_mul(rows.activated, hidden)
-            activated = rows.activated
-        elif self.spec.gated:
-            width = hidden.shape[1] // 2
-            activated = self.spec.activation(hidden[:, :width]) * hidden[:, width:]
-        else:
-            activated = self.activation(hidden)
-        return packed_linear(activated, layer.mlp_out)
+        return packed_linear(self.activation(packed_linear(x, layer.mlp_in)), layer.mlp_out)
 
     def logits(self, kept: torch.Tensor) -> torch.Tensor:
         num_kept = len(kept)
@@ -323,14 +329,13 @@ class StepRows:
     mlp_normed: torch.Tensor
     heads: torch.Tensor
     attended: torch.Tensor
-    activated: torch.Tensor
     num_tokens: int
 
     @classmethod
     def allocate(cls, residual: torch.Tensor, num_tokens: int, decoder: FusedDecoder) -> StepRows:
         heads = residual.new_zeros((len(residual), decoder.num_heads, decoder.head_dim))
         return cls(residual, torch.empty_like(residual), torch.empty_like(residual), heads, torch.zeros_like(heads),
-                   residual.new_empty((len(residual), decoder.intermediate_size)), num_tokens)
+                   num_tokens)
 
     def select(self, indices: torch.Tensor, decoder: FusedDecoder) -> StepRows:
         """The rows `indices` of this layer's residual, norms and rotated queries, in new buffers."""

@@ -95,6 +95,10 @@ class AttentionMetadata:
                          query_lens=torch.tensor(self.query_lens[first:], dtype=torch.int32, device=device))
 
     @cached_property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_list)
+
+    @cached_property
     def short_prefill(self) -> PrefillBatch | None:
         """The step's other short prefill chunks as one padded batch (None for fewer than two);
         built at the first layer's call, shared by every layer."""
@@ -315,9 +319,10 @@ class NativeBackend(AttentionBackend):
     `shares_prefixes`, their `decode_groups` go with them and a kernel may read a group's shared
     prefix once for all its sequences (cascade attention). `prefill`, when given, attends every
     prefill chunk over the pool in one call; where it does not run them, `variant_prefill` does
-    for a layer whose variant SDPA has no argument for (a soft-cap or sinks: through SDPA they
-    run eagerly in float32), else SDPA (a window as its mask: in bfloat16 on a CPU with AMX,
-    faster than the C kernel's windowed prefill). Through SDPA, a prefill chunk with no cached
+    for a layer with a window shorter than some context (its keys start at each row's window:
+    SDPA would compute every key and mask most), a soft-cap or sinks (through SDPA they run
+    eagerly in float32), else SDPA. A window longer than every context of the step masks
+    nothing: such a layer runs as a full one. Through SDPA, a prefill chunk with no cached
     context attends to its own new K/V without touching the pool (over an int8 pool it reads
     them as stored, so a prompt attends alike whether its prefix was cached or not).
     """
@@ -336,13 +341,13 @@ class NativeBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out, variant=FULL):
         q = q.contiguous()  # transformers' forward hands over q as a [H, T, D] transpose
+        variant = variant.within(meta.max_context_len)  # a window longer than every context: full attention
         result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         num_decode = meta.num_decode_seqs
         if num_decode:
             self.attend_decode(q[:num_decode], k_cache, v_cache, meta.decode_seqs, scale, result[:num_decode], variant)
         if num_decode < len(meta.query_lens):
-            needs_kernel = variant.softcap or variant.sinks is not None  # what SDPA has no argument for
-            kernels = (self.prefill, self.variant_prefill) if needs_kernel else (self.prefill,)
+            kernels = (self.prefill,) if variant.is_full else (self.prefill, self.variant_prefill)
             if not any(kernel is not None and kernel(q, k_cache, v_cache, meta.prefill_seqs, scale, result, variant)
                        for kernel in kernels):
                 attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result, variant)

@@ -22,6 +22,7 @@ p % block_size. The C kernels take every tensor contiguous, in the order of
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,9 +56,10 @@ class AttentionVariant:
         """Plain causal attention over every earlier position."""
         return self.window == 0 and self.softcap == 0.0 and self.sinks is None
 
-    def covers(self, num_positions: int) -> bool:
-        """Whether a window of this variant holds `num_positions` positions (no position masked by it)."""
-        return self.window == 0 or num_positions <= self.window
+    def within(self, num_positions: int) -> AttentionVariant:
+        """This variant over contexts of at most `num_positions` positions: without its window
+        where the window holds them all (it then masks nothing)."""
+        return dataclasses.replace(self, window=0) if 0 < self.window and num_positions <= self.window else self
 
 
 FULL = AttentionVariant()

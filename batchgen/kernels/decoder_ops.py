@@ -30,6 +30,7 @@ _SIGNATURES = {
     "bg_silu_mul": [_POINTER] * 2 + [_INT] * 4,
     "bg_clamped_glu": [_POINTER] * 2 + [_INT, _INT, _FLOAT, _FLOAT, _INT, _INT],
     "bg_gelu_new": [_POINTER] * 2 + [ctypes.c_int64, _INT, _INT],
+    "bg_gelu_tanh_mul": [_POINTER] * 2 + [_INT] * 4,
 }
 
 
@@ -107,6 +108,13 @@ def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tenso
                                 num_heads, k_cache.shape[2], head_dim, rotary_dim, _pointer(norm.q_weight),
                                 _pointer(norm.k_weight), head_dim if norm.per_head else 0, QK_NORM_KINDS[norm.kind],
                                 norm.eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads())
+
+
+def gelu_tanh_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """``out = gelu_tanh(gate) * up`` where ``gate_up`` rows are gate then up (each ``out``'s width)."""
+    width = out.shape[-1]
+    _library().bg_gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
+                                DTYPE_CODES[out.dtype], torch.get_num_threads())
 
 
 def silu_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:

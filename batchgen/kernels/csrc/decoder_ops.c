@@ -17,6 +17,7 @@
  *   bg_clamped_glu   out = (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit): gpt-oss'
  *                    expert activation, for a gate|up row
  *   bg_gelu_new      GPT-2's tanh GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+ *   bg_gelu_tanh_mul out = gelu_tanh(gate) * up for a fused gate|up row (Gemma's MLP)
  *
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
  * MIN_PARALLEL_ELEMENTS elements: a call of a row or two runs on one thread. In a step the other
@@ -409,10 +410,11 @@ void bg_clamped_glu(void *out, const void *gate_up, int num_rows, int width, flo
                         limit, is_bf16);
 }
 
-/* tanh(x) = 1 - 2 / (e^2x + 1) through vector_expf, so loops calling it vectorize (|x| clamped at 9,
- * where tanh is +-1 in float32); within 1e-7 of tanhf. */
+/* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|), through vector_expf, so loops calling it
+ * vectorize; within a few ulp of tanhf. */
 static inline float vector_tanhf(float x) {
-    return 1.0f - 2.0f / (vector_expf(2.0f * clamp(x, -9.0f, 9.0f)) + 1.0f);
+    float e = vector_expf(-2.0f * fabsf(x));
+    return copysignf((1.0f - e) / (1.0f + e), x);
 }
 
 /* out = GPT-2's tanh GELU of x (n elements, out may be x), each step rounded to dtype as
@@ -435,4 +437,28 @@ void bg_gelu_new(void *out, const void *x, int64_t n, int dtype, int num_threads
         }
         store_row(row_at(out, start, 1, is_bf16), result, count, is_bf16);
     }
+}
+
+/* out = round(gelu_tanh(gate)) * up for one gate|up row of 2 * width: torch's tanh GELU in
+ * float32, rounded once as torch rounds it, then the product. */
+static void gelu_tanh_mul_row(void *out, const void *gate_up, int width, int is_bf16) {
+    float row_buf[2 * width], out_buf[width];
+    const float *row = as_float(gate_up, row_buf, 2 * width, is_bf16);
+    const float root = 0.7978845608028654f; /* sqrt(2 / pi) */
+    for (int i = 0; i < width; i++) {
+        float x = row[i];
+        float gelu = 0.5f * x * (1.0f + vector_tanhf(root * (x + 0.044715f * x * x * x)));
+        out_buf[i] = round_to(gelu, is_bf16) * row[width + i];
+    }
+    store_row(out, out_buf, width, is_bf16);
+}
+
+/* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] (gelu_tanh_mul_row). */
+void bg_gelu_tanh_mul(void *out, const void *gate_up, int num_rows, int width, int dtype, int num_threads) {
+    int is_bf16 = dtype == DTYPE_BF16;
+    int is_parallel = num_threads > 1 && (int64_t)num_rows * width >= MIN_PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
+    for (int r = 0; r < num_rows; r++)
+        gelu_tanh_mul_row(row_at(out, r, width, is_bf16), row_at(gate_up, r, 2 * (int64_t)width, is_bf16), width,
+                          is_bf16);
 }
