@@ -80,3 +80,13 @@ def test_a_layer_asking_for_attention_batchgen_does_not_compute_is_refused_namin
         layer_variant(attention, None, 0.0, {"alibi_slopes": torch.ones(4)})
     with pytest.raises(UnsupportedAttention, match="attention mask of its own"):
         layer_variant(attention, torch.zeros(1, 1, 2, 2), 0.0, {})
+
+
+def test_a_step_of_prompt_chunks_that_keep_no_logits_runs_a_windowed_model():
+    # a 150-token prompt in 64-token steps: its first two steps keep no logits
+    model = tiny_family_model("mistral")
+    prompt = family_prompts()[3] + family_prompts()[2]
+    expected = hf_greedy(model, prompt, 4)
+    llm = LLM(model, tokenizer=tiny_tokenizer(), max_num_batched_tokens=64)
+    assert llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].token_ids == expected

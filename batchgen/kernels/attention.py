@@ -96,7 +96,7 @@ class AttentionMetadata:
 
     @cached_property
     def max_context_len(self) -> int:
-        return max(self.context_lens_list)
+        return max(self.context_lens_list, default=0)
 
     @cached_property
     def short_prefill(self) -> PrefillBatch | None:
