@@ -70,6 +70,18 @@ static inline void *row_at(const void *base, int64_t row, int64_t width, int is_
     return (char *)base + row * width * (is_bf16 ? 2 : 4);
 }
 
+/* res_row += x_row (rounded to dtype) when x_row is not NULL; returns res_row's `hidden` values
+ * as float32 (in sum_buf where converted or summed; add_buf is scratch). */
+static const float *add_residual(void *res_row, const void *x_row, float *restrict sum_buf, float *restrict add_buf,
+                                 int hidden, int is_bf16) {
+    const float *res = as_float(res_row, sum_buf, hidden, is_bf16);
+    if (!x_row) return res;
+    const float *add = as_float(x_row, add_buf, hidden, is_bf16);
+    for (int i = 0; i < hidden; i++) sum_buf[i] = round_to(res[i] + add[i], is_bf16);
+    store_row(res_row, sum_buf, hidden, is_bf16);
+    return sum_buf;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAS_ROW16 1
@@ -194,13 +206,7 @@ static void silu_mul_row(void *out, const void *gate_up, int width, int is_bf16)
 static void add_rms_norm_row(void *out, void *res_row, const void *x_row, const float *w, int hidden, float eps,
                              int is_bf16) {
     float sum_buf[hidden], add_buf[hidden], out_buf[hidden];
-    const float *res = as_float(res_row, sum_buf, hidden, is_bf16);
-    if (x_row) {
-        const float *add = as_float(x_row, add_buf, hidden, is_bf16);
-        for (int i = 0; i < hidden; i++) sum_buf[i] = round_to(res[i] + add[i], is_bf16);
-        store_row(res_row, sum_buf, hidden, is_bf16);
-        res = sum_buf;
-    }
+    const float *res = add_residual(res_row, x_row, sum_buf, add_buf, hidden, is_bf16);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int i = 0; i < hidden; i++) sum += res[i] * res[i];
@@ -232,13 +238,7 @@ void bg_add_rms_norm(void *out, void *residual, const void *x, const void *weigh
 static void add_norm_row(void *out, void *res_row, const void *x_row, const float *w, const float *b, int hidden,
                          float eps, int kind, int is_bf16) {
     float sum_buf[hidden], add_buf[hidden], out_buf[hidden];
-    const float *res = as_float(res_row, sum_buf, hidden, is_bf16);
-    if (x_row) {
-        const float *add = as_float(x_row, add_buf, hidden, is_bf16);
-        for (int i = 0; i < hidden; i++) sum_buf[i] = round_to(res[i] + add[i], is_bf16);
-        store_row(res_row, sum_buf, hidden, is_bf16);
-        res = sum_buf;
-    }
+    const float *res = add_residual(res_row, x_row, sum_buf, add_buf, hidden, is_bf16);
     float mean = 0.0f;
     if (kind == NORM_LAYER) {
 #pragma omp simd reduction(+ : mean)
