@@ -73,9 +73,11 @@ class EngineConfig:
     """CPU, where the fused step does not run: the linear layers run through oneDNN (or batchgen's bf16
     GEMM) on a packed copy of their weights; false keeps torch's own products."""
     fused_step: bool = option(True, true_or_false)
-    """Llama-family models (Llama, Mistral, Qwen2) on a CPU in float32 or bfloat16, and on CUDA with
-    Triton: batchgen's own forward over merged, packed copies of the weights (more memory); false
-    runs transformers' forward with batchgen's attention."""
+    """Every model family batchgen describes (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 2/3,
+    Phi-3, OLMo 2, Granite, gpt-oss, GPT-2, StableLM, Falcon, GPT-NeoX, Phi) on a CPU in float32 or
+    bfloat16, and Llama-step families (Llama, Mistral, Qwen2, Phi-3) on CUDA with Triton:
+    batchgen's own forward over merged, packed copies of the weights (more memory); false runs
+    transformers' forward with batchgen's attention."""
     quantization: str = option("none", one_of(*QUANTIZATION_MODES))
     """The fused step's linear layers in int8, for a bfloat16 model (the LM head stays bfloat16):
     `none`; `int8`: weights per output channel and activations per token (W8A8), int8 products on
