@@ -18,6 +18,7 @@ bfloat16 on this machine, one engine per mode over the same loaded weights:
   question's four continuations scored by `LLM.score`; the accuracy, against bf16's.
 
     python scripts/bench_quality.py --out scripts/results/cpu/quality.json
+    python scripts/bench_quality.py --modes int8-kv --parts decode    # one measurement, fewer modes
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ MODES = {  # mode name -> engine options; "bf16" is the reference
     "int8+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
 KV_CACHE_BYTES = 2**30
+PARTS = ("text", "decode", "multiple_choice", "greedy_agreement")
 DECODE_PROMPT_TOKENS = 32
 NUM_SHOTS = 5
 
@@ -160,8 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", default=",".join(m for m in MODES if m != "bf16"))
     parser.add_argument("--workloads", default="long-out,no-sharing,shared-system,few-shot")
     parser.add_argument("--questions", type=int, default=200)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"measurements to run, of {', '.join(PARTS)}")
     parser.add_argument("--out", default="quality.json")
     args = parser.parse_args(argv)
+    parts = [part for part in args.parts.split(",") if part]
     loaded = load_model(None, device="cpu", dtype="bfloat16")
     modes = ["bf16", *(m for m in args.modes.split(",") if m)]
     llms = {mode: LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory=KV_CACHE_BYTES, **MODES[mode])
@@ -169,16 +173,17 @@ def main(argv: list[str] | None = None) -> dict:
     texts = {path.name: loaded.tokenizer(path.read_text())["input_ids"] for path in sorted(TEXTS_DIR.iterdir())}
     result = {"machine": machine_info(torch.device("cpu")), "modes": {m: MODES[m] for m in modes},
               "texts": {name: len(ids) for name, ids in texts.items()}}
-    result["text"] = text_metrics(llms, texts)
-    print(json.dumps(result["text"], indent=1), flush=True)
-    result["text_decode"] = text_metrics(llms, texts, decode=True)
-    print(json.dumps(result["text_decode"], indent=1), flush=True)
-    result["multiple_choice"] = multiple_choice(llms, args.questions)
-    print(json.dumps(result["multiple_choice"], indent=1), flush=True)
-    vocab_size = loaded.model.config.vocab_size
+    vocab_size, low = loaded.model.config.vocab_size, lowest_plain_token_id(loaded.tokenizer)
     workloads = [w for w in args.workloads.split(",") if w]
-    result["greedy_agreement"] = greedy_agreement(llms, workloads, vocab_size, lowest_plain_token_id(loaded.tokenizer))
-    print(json.dumps(result["greedy_agreement"], indent=1), flush=True)
+    measurements = {
+        "text": lambda: text_metrics(llms, texts),
+        "decode": lambda: text_metrics(llms, texts, decode=True),
+        "multiple_choice": lambda: multiple_choice(llms, args.questions),
+        "greedy_agreement": lambda: greedy_agreement(llms, workloads, vocab_size, low),
+    }
+    for part in parts:
+        result[part] = measurements[part]()
+        print(json.dumps(result[part], indent=1), flush=True)
     result["machine_at_end"] = machine_info(torch.device("cpu"))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
