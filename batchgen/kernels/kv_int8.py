@@ -14,7 +14,8 @@ Invariants:
 - `readable` gives a gathered cache's rows as the dtype the attention computes in: a float
   cache's as they are, an int8 cache's dequantized (float32 products, then rounded to `dtype`).
 - `paged_decode_attention` follows `attention_kernel`'s contract over an int8 pool (bf16
-  queries, C on AVX-512 with AVX512-BF16): the attention of the dequantized rows, up to the
+  queries, C on AVX-512 with AVX512-VNNI and AVX512-BF16): the attention of the dequantized
+  rows for the scaled queries quantized as `quantize` does (exact int8 dot products), up to the
   order of float32 sums; it returns False, writing nothing, where it does not run.
 """
 
