@@ -16,7 +16,7 @@ same weights, as the family's `ModelSpec` describes it, with:
   transformers' forward asks for (`model_check`).
 
 Invariants:
-- `FusedDecoder.build(model)` returns None unless `model_specs.read_model` describes the model
+- `FusedDecoder.build(model)` returns None unless `model_readers.read_model` describes the model
   and its device has the fused ops it needs (`ops.FEATURES`): on a CPU in float32 or bfloat16
   with the C ops built here, on CUDA in float32, bfloat16 or float16 with Triton; the engine then
   runs transformers' forward. With a `quantization` (int8 products: `int8_linear`) it raises
@@ -50,7 +50,8 @@ from torch import nn
 
 from batchgen.engine import calibration
 from batchgen.engine.model_check import LayerAttention, check_attention
-from batchgen.engine.model_specs import LayerWeights, Linear, ModelSpec, ModelWeights, Norm, read_model
+from batchgen.engine.model_readers import read_model
+from batchgen.engine.model_specs import LayerWeights, Linear, ModelSpec, ModelWeights, Norm
 from batchgen.engine.moe_layer import MoeLayer
 from batchgen.engine.output_tail import output_tail
 from batchgen.kernels import cuda_decoder_ops, decoder_ops, kv_int8
