@@ -343,7 +343,7 @@ def machine_info(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model,
             "cpu_flags": cpu_flags, "cpu_caches": cpu_caches(), "num_cpus": psutil.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "load_average_1_5_15_min": os.getloadavg()}
+            "load_average_1_5_15_min": list(os.getloadavg())}
     if avx2_emulation.is_active(os.environ):
         info["emulated_isa"] = "avx2 (scripts/avx2_emulation.py: openvino not capped)"
     if device.type == "cuda":

@@ -9,7 +9,8 @@ Every family is a seeded random model (`bench_models.family_config`) at one set 
 run by batchgen with its default engine (the fused step where it applies): the same prompts,
 longer than the local layers' window, greedy, a fixed number of output tokens. Each model runs
 one warm-up call, then the repetitions run interleaved across families (rep 1 of every family,
-then rep 2, ...); the report gives each family's median output tok/s and its ratio to the Llama's.
+then rep 2, ...); the report gives each family's median output tok/s and its ratio to a Llama of
+its dimensions (`speed_report`).
 
 `--memory` instead runs one long-prompt job on a Gemma 3 model (local layers with a window, one
 global layer in six, as Gemma 3's own) and on its twin with every layer global: the pool's
@@ -104,6 +105,30 @@ def memory_report(size: dict, dtype: torch.dtype) -> dict:
     return {"job": MEMORY_JOB, "window": window, "rows": rows}
 
 
+def speed_report(families: list[str], size: dict, dtype: torch.dtype, repeats: int) -> dict:
+    """Each family's output tok/s and its ratio to a Llama of its dimensions, KV heads included
+    (GPT-2, GPT-NeoX and Phi have no grouped-query option: every head is a KV head; Falcon's
+    multi-query has one)."""
+    llms = {family: family_llm(family, size, dtype) for family in families}
+    kv_heads = {family: llm.engine.runner.spec.num_kv_heads for family, llm in llms.items()}
+    references = {count: family_llm("llama", {**size, "dims": {**size["dims"], "num_key_value_heads": count}}, dtype)
+                  for count in sorted(set(kv_heads.values()))}
+    runs = {**{("llama", count): llm for count, llm in references.items()},
+            **{(family, kv_heads[family]): llm for family, llm in llms.items()}}
+    prompt_ids = prompts(size)
+    for llm in runs.values():
+        run_once(llm, prompt_ids[:2], 2)  # warm-up: kernels built, weights packed, pool touched
+    speeds = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, llm in runs.items():
+            speeds[key].append(run_once(llm, prompt_ids, size["output_len"]))
+    medians = {key: statistics.median(values) for key, values in speeds.items()}
+    rows = [{"family": family, "num_kv_heads": count, "fused_step": runs[family, count].engine.runner.fused is not None,
+             "output_tok_s_median": medians[family, count], "output_tok_s_runs": speeds[family, count],
+             "vs_llama": medians[family, count] / medians["llama", count]} for family, count in runs]
+    return {**size, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
@@ -121,24 +146,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(report["rows"], indent=2))
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         return report
-    families = ["llama"] + [family for family in args.families.split(",") if family != "llama"]
-    llms = {family: family_llm(family, size, dtype) for family in families}
-    prompt_ids = prompts(size)
-    for llm in llms.values():
-        run_once(llm, prompt_ids[:2], 2)  # warm-up: kernels built, weights packed, pool touched
-    speeds = {family: [] for family in families}
-    for _ in range(args.repeats):
-        for family, llm in llms.items():
-            speeds[family].append(run_once(llm, prompt_ids, size["output_len"]))
-    llama = statistics.median(speeds["llama"])
-    rows = [{"family": family, "fused_step": llms[family].engine.runner.fused is not None,
-             "output_tok_s_median": statistics.median(runs), "output_tok_s_runs": runs,
-             "vs_llama": statistics.median(runs) / llama} for family, runs in speeds.items()]
-    report = {"size": args.size, **size, "dtype": args.dtype, "repeats": args.repeats, "rows": rows,
-              "machine": machine_info(torch.device("cpu")), "load_average_after": os.getloadavg()}
-    print("| family | fused step | output tok/s (median) | vs Llama |\n|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['family']} | {row['fused_step']} | {row['output_tok_s_median']:.1f} | {row['vs_llama']:.2f} |")
+    report = speed_report([family for family in args.families.split(",") if family != "llama"], size, dtype,
+                          args.repeats)
+    print("| family | KV heads | fused step | output tok/s (median) | vs Llama |\n|---|---|---|---|---|")
+    for row in report["rows"]:
+        print(f"| {row['family']} | {row['num_kv_heads']} | {row['fused_step']} | {row['output_tok_s_median']:.1f} "
+              f"| {row['vs_llama']:.2f} |")
+    report.update(size=args.size, dtype=args.dtype, repeats=args.repeats, machine=machine_info(torch.device("cpu")),
+                  load_average_after=os.getloadavg())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report

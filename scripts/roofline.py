@@ -217,7 +217,7 @@ def step_products(runner, num_tokens: int, num_logits: int) -> list[tuple]:
     widths = (config.hidden_size, fused.num_heads * fused.head_dim, config.hidden_size, config.intermediate_size)
     inputs = {width: torch.randn(rows, width, device=device, dtype=dtype) for width in set(widths)}
     products = [(functools.partial(packed_linear, packed=packed), inputs[width]) for layer in fused.layers
-                for packed, width in zip((layer.qkv, layer.o, layer.gate_up, layer.down), widths)]
+                for packed, width in zip((layer.qkv, layer.o, layer.mlp_in, layer.mlp_out), widths)]
     return products + [(functools.partial(packed_linear, packed=fused.lm_head),
                         torch.randn(logit_rows, config.hidden_size, device=device, dtype=dtype))]
 

@@ -216,7 +216,7 @@ def test_cpu_linear_bench_in_bf16_adds_the_kernel_where_it_runs(capsys):
 
 
 def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
-    from batchgen.kernels import amx_attention, cpu_attention
+    from batchgen.kernels import amx_attention, cpu_attention, kv_int8
     if not cpu_attention.is_available():
         pytest.skip("no C compiler for the CPU kernel")
     bench_cpu_attention.main(["--repeats", "1"])
@@ -234,7 +234,15 @@ def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
     cascade = lines[cascade_header + 1:amx_header - 1]  # a blank line before the header
     assert [line.split()[0] for line in cascade] == ["float32", "bfloat16"]
     assert float(cascade[0].split()[-1]) < 1e-5 and float(cascade[1].split()[-1]) < 5e-2  # cascade against plain
-    amx = lines[amx_header + 2:]
+    int8_header = next(i for i, line in enumerate(lines) if line.startswith("int8 K/V decode"))
+    amx = lines[amx_header + 2:int8_header - 1]  # a blank line before the next header
+    int8 = lines[int8_header + 2:]
+    if kv_int8.is_available():
+        assert [line.split()[0] for line in int8] == ["avx-512"] + ["amx"] * amx_attention.supports(
+            torch.bfloat16, bench_cpu_attention.HEAD_DIM)
+        assert all(float(line.split()[-1]) < 1e-2 for line in int8)  # int8 K/V against the bf16 pool it quantizes
+    else:
+        assert int8 == ["the int8 K/V kernel does not run here (needs AVX-512 and AVX512-BF16)"]
     if amx_attention.supports(torch.bfloat16, bench_cpu_attention.HEAD_DIM):
         assert [line.rsplit(None, 4)[0] for line in amx] == ["prefill 512", "prefill 2048", "decode 32x1024",
                                                             "cascade decode"]

@@ -111,7 +111,7 @@ def read_gpt2(model) -> ModelWeights | None:
         return None
     layers = []
     for block in decoder.h:
-        transposed = [Linear(module.weight.detach().t(), module.bias.detach())
+        transposed = [Linear(module.weight.detach().t().contiguous(), module.bias.detach())
                       for module in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)]
         layers.append(LayerWeights(*transposed[:2], *transposed[2:], None, Norm.of(block.ln_1), None,
                                    Norm.of(block.ln_2), None))

@@ -46,7 +46,7 @@ class MoeWeights:
                                 torch.arange(1, experts.gate_up_proj.shape[2], 2)])
             gate_up = [(w.t()[halves], b[halves])
                        for w, b in zip(experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach())]
-            down = [(w.t(), b) for w, b in zip(experts.down_proj.detach(), experts.down_proj_bias.detach())]
+            down = [(w.t().contiguous(), b) for w, b in zip(experts.down_proj.detach(), experts.down_proj_bias.detach())]
             return cls(block.router, gate_up, down,
                        functools.partial(decoder_ops.clamped_glu, alpha=experts.alpha, limit=experts.limit))
         act = experts.act_fn
