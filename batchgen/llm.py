@@ -21,6 +21,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.gc_pacing import paced_collection
+from batchgen.engine.gguf_int8 import load_quantized
 from batchgen.models import load_model, load_tokenizer
 from batchgen.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.request import Request
@@ -56,7 +57,8 @@ class LLM:
                 raise ValueError("an already loaded model needs its tokenizer: LLM(model, tokenizer=...)")
             hf_model = model.eval()
         else:
-            loaded = load_model(model, device=config.device, dtype=config.dtype)
+            loaded = None if config.quantization == "none" else load_quantized(model, config.device, config.dtype)
+            loaded = loaded or load_model(model, device=config.device, dtype=config.dtype)
             hf_model, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.engine = LLMEngine(hf_model, self.tokenizer, config.resolved(hf_model.device, hf_model.dtype))

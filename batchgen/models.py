@@ -336,7 +336,13 @@ def load_config(model: str | None) -> transformers.PretrainedConfig:
 
 
 def _load_from_source(model: str | None, load):
-    """``load(source, **hub_kwargs)`` on the model's local folder, else its hub id (cache first)."""
+    """``load(source, **hub_kwargs)`` on the model's local folder, else its hub id (cache first);
+    a GGUF file not converted yet is read itself (``gguf_file=``): only its weights need the
+    conversion, and a quantized run never converts it (`engine.gguf_int8`)."""
+    _, gguf_path, _ = resolve_source(model)
+    if gguf_path is not None and not converted_gguf_dir(gguf_path).is_dir():
+        with quiet_transformers():
+            return load(gguf_path.parent, gguf_file=gguf_path.name)
     name, folder = local_folder(model)
     source = folder if folder is not None else name
 

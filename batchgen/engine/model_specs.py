@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.moe_layer import MoeWeights
+from batchgen.kernels.loaded_int8 import LoadedLinear, LoadedWeight
 
 @dataclass(frozen=True)
 class Norm:
@@ -52,25 +53,28 @@ class Linear:
     """weight [out, in] and bias [out] (or None), and the module whose input it takes (a merged
     product's first module; int8 calibration reads that input's range)."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | LoadedWeight  # a LoadedWeight: loaded in int8 (`loaded_int8`)
     bias: torch.Tensor | None
     source: nn.Module | None = None
 
     @classmethod
     def of(cls, module: nn.Module) -> Linear:
-        return cls(module.weight.detach(), None if module.bias is None else module.bias.detach(), module)
+        weight = module.loaded if isinstance(module, LoadedLinear) else module.weight.detach()
+        return cls(weight, None if module.bias is None else module.bias.detach(), module)
 
     @classmethod
     def merged(cls, modules: list[nn.Module]) -> Linear:
         """The row-wise concatenation of `modules` (their biases all given or all None)."""
         parts = [cls.of(module) for module in modules]
         biases = [part.bias for part in parts]
-        return cls(torch.cat([part.weight for part in parts]),
-                   None if biases[0] is None else torch.cat(biases), modules[0])
+        weights = [part.weight for part in parts]
+        weight = LoadedWeight.cat(weights) if isinstance(weights[0], LoadedWeight) else torch.cat(weights)
+        return cls(weight, None if biases[0] is None else torch.cat(biases), modules[0])
 
     def rows(self, order: torch.Tensor) -> Linear:
         """These rows in `order`."""
-        return Linear(self.weight[order], None if self.bias is None else self.bias[order], self.source)
+        weight = self.weight.rows(order) if isinstance(self.weight, LoadedWeight) else self.weight[order]
+        return Linear(weight, None if self.bias is None else self.bias[order], self.source)
 
 
 @dataclass

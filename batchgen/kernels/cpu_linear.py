@@ -33,6 +33,7 @@ from torch import nn
 
 from batchgen.kernels import bf16_gemm
 from batchgen.kernels.int8_linear import Int8Weight, int8_linear, quantize_weight
+from batchgen.kernels.loaded_int8 import LoadedWeight
 
 # Rows of a oneDNN product are padded to a multiple of ROW_BUCKET: oneDNN keeps state for every
 # input shape it has seen, and a long job meets every row count up to its token budget
@@ -73,9 +74,15 @@ def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None],
     packed once: one product computes all of them. A bf16 weight the kernel takes is packed for
     it, and for oneDNN too where the kernel runs only small products (on AMX: both copies).
     With `quantization` (``int8``, ``int8-weight``) it is quantized instead (`int8_linear`), its
-    inputs smoothed where their calibrated ranges (`input_absmax`) are given."""
-    weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+    inputs smoothed where their calibrated ranges (`input_absmax`) are given. Weights loaded
+    quantized (`loaded_int8.LoadedWeight`) take their int8 form from their source."""
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    if isinstance(weights[0], LoadedWeight):
+        if quantization == "none":
+            raise ValueError("a weight loaded in int8 runs only with a quantization (int8 or int8-weight)")
+        loaded = weights[0] if len(weights) == 1 else LoadedWeight.cat(weights)
+        return PackedWeight(None, None, 0, bias, loaded.shape[0], int8=loaded.int8(quantization, input_absmax))
+    weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     out_features, in_features = weight.shape
     if quantization != "none":
         return PackedWeight(None, None, 0, bias, out_features,

@@ -53,14 +53,16 @@ class Int8Weight:
     smoothing: torch.Tensor | None = None  # [k] float32: W8A8 inputs are multiplied by it before quantizing
 
 
-def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor | None = None) -> Int8Weight:
+def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> Int8Weight:
     """`weight` [n, k] quantized for `mode` (``int8`` or ``int8-weight``), packed for the C
-    kernel where it runs W8A8 products (a bf16 weight on a CPU that has it). For ``int8`` with
-    `input_absmax` (the largest |input| per input channel seen in calibration), the inputs are
-    smoothed (`smoothing_of`)."""
+    kernel where it runs W8A8 products (a bf16 model, `dtype`, by default the weight's, on a CPU
+    that has it). For ``int8`` with `input_absmax` (the largest |input| per input channel seen in
+    calibration), the inputs are smoothed (`smoothing_of`)."""
     smoothing = None if mode != "int8" or input_absmax is None else smoothing_of(weight, input_absmax)
     values, scales = quantized_channels(weight if smoothing is None else weight.float() / smoothing, mode)
-    on_kernel = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and int8_gemm.is_available()
+    on_kernel = (weight.device.type == "cpu" and (dtype or weight.dtype) == torch.bfloat16
+                 and int8_gemm.is_available())
     if mode == "int8" and on_kernel:
         panels, compensation = int8_gemm.pack(values)
         return Int8Weight(None, scales, True, panels, compensation, smoothing)
