@@ -19,6 +19,11 @@ bfloat16 on this machine, one engine per mode over the same loaded weights:
 
     python scripts/bench_quality.py --out scripts/results/cpu/quality.json
     python scripts/bench_quality.py --modes int8-kv --parts decode    # one measurement, fewer modes
+    python scripts/bench_quality.py --model file.gguf --modes int8-weight,int8-weight-gguf --parts text
+
+The ``-gguf`` modes load the model's GGUF file themselves, their products going from its blocks
+straight to int8 (`batchgen.engine.gguf_int8`); the others quantize the bf16 model loaded from
+the file's float32 conversion.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ MODES = {  # mode name -> engine options; "bf16" is the reference
     "int8-weight": {"quantization": "int8-weight"},
     "int8-kv": {"kv_cache_dtype": "int8"},
     "int8+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
+}
+GGUF_MODES = {  # modes whose engine loads the GGUF itself, its products straight to int8 (`gguf_int8`)
+    "int8-gguf": {"quantization": "int8"},
+    "int8-weight-gguf": {"quantization": "int8-weight"},
 }
 KV_CACHE_BYTES = 2**30
 PARTS = ("text", "decode", "multiple_choice", "greedy_agreement")
@@ -163,15 +172,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workloads", default="long-out,no-sharing,shared-system,few-shot")
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"measurements to run, of {', '.join(PARTS)}")
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     parser.add_argument("--out", default="quality.json")
     args = parser.parse_args(argv)
     parts = [part for part in args.parts.split(",") if part]
-    loaded = load_model(None, device="cpu", dtype="bfloat16")
+    loaded = load_model(args.model, device="cpu", dtype="bfloat16")
     modes = ["bf16", *(m for m in args.modes.split(",") if m)]
-    llms = {mode: LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory=KV_CACHE_BYTES, **MODES[mode])
+    llms = {mode: LLM(args.model, dtype="bfloat16", device="cpu", kv_cache_memory=KV_CACHE_BYTES, **GGUF_MODES[mode])
+            if mode in GGUF_MODES else
+            LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory=KV_CACHE_BYTES, **MODES[mode])
             for mode in modes}
     texts = {path.name: loaded.tokenizer(path.read_text())["input_ids"] for path in sorted(TEXTS_DIR.iterdir())}
-    result = {"machine": machine_info(torch.device("cpu")), "modes": {m: MODES[m] for m in modes},
+    result = {"machine": machine_info(torch.device("cpu")), "model": args.model or "default",
+              "modes": {m: {**MODES, **GGUF_MODES}[m] for m in modes},
               "texts": {name: len(ids) for name, ids in texts.items()}}
     vocab_size, low = loaded.model.config.vocab_size, lowest_plain_token_id(loaded.tokenizer)
     workloads = [w for w in args.workloads.split(",") if w]

