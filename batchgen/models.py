@@ -14,10 +14,10 @@ Sources, tried in this order:
 
 GGUF files are converted once into a cache folder (float32 safetensors + tokenizer files) and
 every later load reads only that folder; their tokenizer and config are read from the file until
-then (a run with a quantization loads the file itself: `engine.gguf_int8`). Invariant: a folder under ``<cache>/models/`` whose name
-does not start with ``.`` is complete, because conversions are written to a hidden temporary
-folder and renamed into place in one step; the hidden folder of a killed conversion is
-removed by the next conversion of the same file.
+then (a run with a quantization loads the file itself: `engine.gguf_int8`). Invariant: a folder
+under ``<cache>/models/`` whose name does not start with ``.`` is complete, because conversions
+are written to a hidden temporary folder and renamed into place in one step; the hidden folder
+of a killed conversion is removed by the next conversion of the same file.
 """
 
 from __future__ import annotations
