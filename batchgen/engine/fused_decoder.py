@@ -303,9 +303,7 @@ class FusedDecoder:
     def mlp(self, x: torch.Tensor, layer: FusedLayer, rows: StepRows) -> torch.Tensor:
         """The MLP's output for the rows `x` (padded as they are)."""
         if layer.moe is not None:
-            out = torch.zeros_like(x)
-            out[:rows.num_tokens] = layer.moe.forward(x[:rows.num_tokens])
-            return out
+            return layer.moe.forward(x, rows.num_tokens)
         return packed_linear(self.activation(packed_linear(x, layer.mlp_in)), layer.mlp_out)
 
     def logits(self, kept: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ its rows of the step, on its packed weights (`cpu_linear`), with the family's ac
 (SiLU(gate) * up on halves through the fused op, another activation's module, or gpt-oss'
 clamped GLU through its fused op, its interleaved gate and up columns made halves at load). Each
 row's expert outputs, scaled by their router weights, are added into it in expert order, as
-transformers' loop over experts adds them.
+transformers' loop over experts adds them (`decoder_ops.moe_combine`, one pass).
 """
 
 from __future__ import annotations
@@ -67,24 +67,28 @@ class MoeLayer:
         self.down = [pack_weights([w], [b], quantization) for w, b in weights.down]
         self.row_bucket = row_bucket(self.gate_up + self.down)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output for rows `x` [T, hidden]."""
-        _, weights, expert_ids = self.router(x)
+    def forward(self, x: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """The layer's output for the first `num_rows` rows of `x` [T, hidden]; its other rows
+        (a step's padding) are 0 and reach no expert."""
+        _, weights, expert_ids = self.router(x[:num_rows])
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         rows = order // expert_ids.shape[1]
         counts = torch.bincount(flat_ids, minlength=len(self.gate_up)).tolist()
         outputs = []
-        for rows_in, gate_up, down in zip(torch.split(x[rows], counts), self.gate_up, self.down):
+        for rows_in, gate_up, down in zip(torch.split(x.index_select(0, rows), counts), self.gate_up, self.down):
             if len(rows_in):
                 outputs.append(self.expert(rows_in, gate_up, down))
-        out = torch.cat(outputs) * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))
+        out = torch.zeros_like(x)
+        decoder_ops.moe_combine(out, torch.cat(outputs), rows, weights.reshape(-1)[order].float())
+        return out
 
     def expert(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight) -> torch.Tensor:
-        """One expert's output for its rows `x`."""
+        """One expert's output for its rows `x`; rows padded to a `bucketed` count only where
+        oneDNN runs them (the bf16 kernel takes any count)."""
         num_rows = len(x)
-        x = F.pad(x, (0, 0, 0, bucketed(num_rows, self.row_bucket) - num_rows))
+        if num_rows > min(gate_up.kernel_rows, down.kernel_rows):
+            x = F.pad(x, (0, 0, 0, bucketed(num_rows, self.row_bucket) - num_rows))
         hidden = packed_linear(x, gate_up)
         if self.activation is None:
             activated = hidden.new_empty((len(hidden), hidden.shape[1] // 2))

@@ -31,6 +31,7 @@ _SIGNATURES = {
     "bg_clamped_glu": [_POINTER] * 2 + [_INT, _INT, _FLOAT, _FLOAT, _INT, _INT],
     "bg_gelu_new": [_POINTER] * 2 + [ctypes.c_int64, _INT, _INT],
     "bg_gelu_tanh_mul": [_POINTER] * 2 + [_INT] * 4,
+    "bg_moe_combine": [_POINTER] * 4 + [_INT] * 4,
 }
 
 
@@ -138,3 +139,12 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh GELU of contiguous `x` (transformers' NewGELUActivation, rounded as its ops round), in place."""
     _library().bg_gelu_new(x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], torch.get_num_threads())
     return x
+
+
+def moe_combine(out: torch.Tensor, expert_rows: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> None:
+    """``out[rows[m]] = round(out[rows[m]] + round(expert_rows[m] * weights[m]))`` for each pair m in
+    order (``out``'s dtype; `rows` int64, `weights` float32): a mixture-of-experts layer's expert
+    outputs, pairs sorted by expert, added as transformers' loop over experts adds them."""
+    hidden = out.shape[-1]
+    _library().bg_moe_combine(out.data_ptr(), expert_rows.data_ptr(), rows.data_ptr(), weights.data_ptr(), len(rows),
+                              hidden, DTYPE_CODES[out.dtype], torch.get_num_threads())

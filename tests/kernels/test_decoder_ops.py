@@ -213,6 +213,26 @@ def test_clamped_glu_equals_gpt_oss_expert_activation(ops, dtype, num_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [3, 100])
+def test_moe_combine_adds_expert_outputs_as_transformers_loop_over_experts(ops, dtype, num_rows):
+    c_ops_only(ops)
+    num_experts, hidden = 4, 80
+    expert_ids = torch.rand(num_rows, num_experts, generator=torch.Generator().manual_seed(15)).topk(2).indices
+    weights = torch.rand(num_rows, 2, generator=torch.Generator().manual_seed(16)).to(dtype)
+    flat_ids = expert_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    rows = order // 2
+    expert_rows = randn(len(rows), hidden, dtype=dtype, seed=17)
+    out = torch.zeros(num_rows, hidden, dtype=dtype)
+    decoder_ops.moe_combine(out, expert_rows, rows, weights.reshape(-1)[order].float())
+    expected = torch.zeros_like(out)
+    for expert in range(num_experts):  # transformers' loop: each expert's rows scaled, then index_add_
+        pairs = flat_ids[order] == expert
+        expected.index_add_(0, rows[pairs], expert_rows[pairs] * weights.reshape(-1)[order][pairs, None])
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows", [2, 100])
 def test_gelu_new_equals_gpt2s_activation(ops, dtype, num_rows):
     c_ops_only(ops)

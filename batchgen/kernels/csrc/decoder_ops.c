@@ -18,6 +18,8 @@
  *                    expert activation, for a gate|up row
  *   bg_gelu_new      GPT-2's tanh GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
  *   bg_gelu_tanh_mul out = gelu_tanh(gate) * up for a fused gate|up row (Gemma's MLP)
+ *   bg_moe_combine   out[rows[m]] += y[m] * weights[m] for each (row, expert) pair m in order: a
+ *                    mixture-of-experts layer's expert outputs added into their rows
  *
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
  * MIN_PARALLEL_ELEMENTS elements: a call of a row or two runs on one thread. In a step the other
@@ -25,11 +27,12 @@
  * the half of the rows it wrote, so from about 16 decode rows on both threads win (measured in
  * docs/performance.md).
  *
- * With AVX-512 (F, BW, VL) each row is one pass of 16-lane intrinsics (HAS_ROW16), faster than
- * the portable loops, which gcc vectorizes through temporary rows. Both compute the same
- * operations except the exponential (expf16: its own polynomial, within a few ulp of
- * vector_expf) and, with AVX512-BF16, the bfloat16 rounding (the convert instruction flushes
- * subnormal values to zero).
+ * With AVX-512 (F, BW, VL) a row of the norms, of SiLU(gate) * up and tanh GELU(gate) * up, and
+ * of the rotary pass without q/k norms over whole heads is one pass of 16-lane intrinsics
+ * (HAS_ROW16), faster than the portable loops, which gcc vectorizes through temporary rows. Both
+ * compute the same operations except the exponential (expf16: its own polynomial, within a few
+ * ulp of vector_expf), the order of the norms' sums and, with AVX512-BF16, the bfloat16 rounding
+ * (the convert instruction flushes subnormal values to zero).
  */
 #include <math.h>
 #include <stdint.h>
@@ -232,6 +235,38 @@ void bg_add_rms_norm(void *out, void *residual, const void *x, const void *weigh
     }
 }
 
+#ifdef HAS_ROW16
+/* residual_row += x_row (rounded to dtype) when x_row is not NULL; then out = round(w * c * inv + b)
+ * in float32, where c = residual - mean (NORM_LAYER) or residual (NORM_RMS_SCALED), and
+ * inv = 1 / sqrt(mean(c^2) + eps); b is 0 when NULL; on 16 lanes (the sums in another order than
+ * the portable loop's). `out` may be the residual row. */
+static void add_norm_row(void *out, void *res_row, const void *x_row, const float *w, const float *b, int hidden,
+                         float eps, int kind, int is_bf16) {
+    __m512 sums = _mm512_setzero_ps();
+    for (int i = 0; i < hidden; i += 16) {
+        __m512 res = load16(res_row, i, hidden, is_bf16);
+        if (x_row) {
+            res = round16(_mm512_add_ps(res, load16(x_row, i, hidden, is_bf16)), is_bf16);
+            store16(res_row, i, hidden, res, is_bf16);
+        }
+        sums = _mm512_add_ps(sums, res);
+    }
+    __m512 mean = _mm512_set1_ps(kind == NORM_LAYER ? _mm512_reduce_add_ps(sums) / (float)hidden : 0.0f);
+    __m512 squares = _mm512_setzero_ps();
+    for (int i = 0; i < hidden; i += 16) {
+        __m512 centered = _mm512_maskz_sub_ps(lanes_before(i, hidden), load16(res_row, i, hidden, is_bf16), mean);
+        squares = _mm512_add_ps(squares, _mm512_mul_ps(centered, centered));
+    }
+    __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));
+    for (int i = 0; i < hidden; i += 16) {
+        __mmask16 lanes = lanes_before(i, hidden);
+        __m512 centered = _mm512_sub_ps(load16(res_row, i, hidden, is_bf16), mean);
+        __m512 normed = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w + i), _mm512_mul_ps(centered, inverse));
+        if (b) normed = _mm512_add_ps(normed, _mm512_maskz_loadu_ps(lanes, b + i));
+        store16(out, i, hidden, normed, is_bf16);
+    }
+}
+#else
 /* residual_row += x_row (rounded to dtype) when x_row is not NULL; then out = round(w * c * inv + b)
  * in float32, where c = residual - mean (NORM_LAYER) or residual (NORM_RMS_SCALED), and
  * inv = 1 / sqrt(mean(c^2) + eps); b is 0 when NULL. `out` may be the residual row. */
@@ -252,6 +287,7 @@ static void add_norm_row(void *out, void *res_row, const void *x_row, const floa
     for (int i = 0; i < hidden; i++) out_buf[i] = w[i] * ((res[i] - mean) * inverse) + (b ? b[i] : 0.0f);
     store_row(out, out_buf, hidden, is_bf16);
 }
+#endif
 
 /* add_norm_row for every row; weight and bias (or NULL) are float32. */
 void bg_add_norm(void *out, void *residual, const void *x, const float *weight, const float *bias, int num_rows,
@@ -439,6 +475,32 @@ void bg_gelu_new(void *out, const void *x, int64_t n, int dtype, int num_threads
     }
 }
 
+#ifdef HAS_ROW16
+/* tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|), on 16 lanes (vector_tanhf's steps). */
+static inline __m512 tanh16(__m512 y) {
+    __m512 magnitude = _mm512_abs_ps(y);
+    __m512 e = expf16(_mm512_mul_ps(magnitude, _mm512_set1_ps(-2.0f)));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 result = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(result), sign));
+}
+
+/* out = round(gelu_tanh(gate)) * up for one gate|up row of 2 * width, on 16 lanes: the portable
+ * loop's operations in its order. */
+static void gelu_tanh_mul_row(void *out, const void *gate_up, int width, int is_bf16) {
+    const char *up = (const char *)row_at(gate_up, 1, width, is_bf16);
+    const __m512 root = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int i = 0; i < width; i += 16) {
+        __m512 x = load16(gate_up, i, width, is_bf16);
+        __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(cubic, x), x), x);
+        __m512 tanh = tanh16(_mm512_mul_ps(root, _mm512_add_ps(x, cube)));
+        __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh));
+        store16(out, i, width, _mm512_mul_ps(round16(gelu, is_bf16), load16(up, i, width, is_bf16)), is_bf16);
+    }
+}
+#else
 /* out = round(gelu_tanh(gate)) * up for one gate|up row of 2 * width: torch's tanh GELU in
  * float32, rounded once as torch rounds it, then the product. */
 static void gelu_tanh_mul_row(void *out, const void *gate_up, int width, int is_bf16) {
@@ -452,6 +514,7 @@ static void gelu_tanh_mul_row(void *out, const void *gate_up, int width, int is_
     }
     store_row(out, out_buf, width, is_bf16);
 }
+#endif
 
 /* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] (gelu_tanh_mul_row). */
 void bg_gelu_tanh_mul(void *out, const void *gate_up, int num_rows, int width, int dtype, int num_threads) {
@@ -461,4 +524,40 @@ void bg_gelu_tanh_mul(void *out, const void *gate_up, int num_rows, int width, i
     for (int r = 0; r < num_rows; r++)
         gelu_tanh_mul_row(row_at(out, r, width, is_bf16), row_at(gate_up, r, 2 * (int64_t)width, is_bf16), width,
                           is_bf16);
+}
+
+/* Columns lo .. hi of bg_moe_combine: pair by pair in order, each product and sum rounded to dtype. */
+static void moe_combine_columns(void *out, const void *y, const int64_t *rows, const float *weights, int num_pairs,
+                                int hidden, int lo, int hi, int is_bf16) {
+    for (int m = 0; m < num_pairs; m++) {
+        float weight = weights[m];
+        if (is_bf16) {
+            uint16_t *o = (uint16_t *)row_at(out, rows[m], hidden, is_bf16);
+            const uint16_t *source = (const uint16_t *)row_at(y, m, hidden, is_bf16);
+            for (int i = lo; i < hi; i++)
+                o[i] = float_to_bf16(bf16_to_float(o[i]) + round_to(bf16_to_float(source[i]) * weight, 1));
+        } else {
+            float *o = (float *)row_at(out, rows[m], hidden, is_bf16);
+            const float *source = (const float *)row_at(y, m, hidden, is_bf16);
+            for (int i = lo; i < hi; i++) o[i] = o[i] + source[i] * weight;
+        }
+    }
+}
+
+/* y: [num_pairs, hidden] (expert outputs, pairs sorted by expert); rows: [num_pairs] int64 (each
+ * pair's row of out); weights: [num_pairs] float32. For m = 0 .. num_pairs - 1 in order:
+ * out[rows[m]] = round(out[rows[m]] + round(y[m] * weights[m])), as transformers' loop over
+ * experts multiplies then index_adds. Threads split the columns, so each row's sums keep the
+ * pairs' order. */
+void bg_moe_combine(void *out, const void *y, const int64_t *rows, const float *weights, int num_pairs, int hidden,
+                    int dtype, int num_threads) {
+    int is_bf16 = dtype == DTYPE_BF16;
+    int is_parallel = num_threads > 1 && (int64_t)num_pairs * hidden >= MIN_PARALLEL_ELEMENTS;
+    int num_parts = is_parallel ? num_threads : 1;
+    int part_width = (hidden / num_parts + 15) / 16 * 16;
+#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
+    for (int part = 0; part < num_parts; part++) {
+        int lo = part * part_width, hi = lo + part_width < hidden ? lo + part_width : hidden;
+        if (lo < hi) moe_combine_columns(out, y, rows, weights, num_pairs, hidden, lo, hi, is_bf16);
+    }
 }
