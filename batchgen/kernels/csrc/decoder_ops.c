@@ -28,11 +28,11 @@
  * docs/performance.md).
  *
  * With AVX-512 (F, BW, VL) a row of the norms, of SiLU(gate) * up and tanh GELU(gate) * up, and
- * of the rotary pass without q/k norms over whole heads is one pass of 16-lane intrinsics
- * (HAS_ROW16), faster than the portable loops, which gcc vectorizes through temporary rows. Both
- * compute the same operations except the exponential (expf16: its own polynomial, within a few
- * ulp of vector_expf), the order of the norms' sums and, with AVX512-BF16, the bfloat16 rounding
- * (the convert instruction flushes subnormal values to zero).
+ * of the rotary pass over whole heads (after per-head q/k norms, if any) is one pass of 16-lane
+ * intrinsics (HAS_ROW16), faster than the portable loops, which gcc vectorizes through temporary
+ * rows. Both compute the same operations except the exponential (expf16: its own polynomial,
+ * within a few ulp of vector_expf), the order of the norms' sums and, with AVX512-BF16, the
+ * bfloat16 rounding (the convert instruction flushes subnormal values to zero).
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,6 +45,16 @@ enum { NORM_RMS_SCALED = 0, NORM_LAYER = 1 };      /* bg_add_norm's kinds */
 enum { QK_NORM_RMS = 0, QK_NORM_RMS_SCALED = 1 };  /* bg_rope_write_kv's: Llama's rounding, or one rounding */
 
 #define MIN_PARALLEL_ELEMENTS 8192
+
+/* The RMSNorms of q and k before their rotation: weights q (float32, `width` values) and k, or
+ * NULL for none; `width` is head_dim (one norm per head) or 0 (one over all q heads, one over all
+ * k heads); QK_NORM_RMS rounds the normalized value then its product with the weight (Llama's
+ * RMSNorm), QK_NORM_RMS_SCALED only the product (Gemma's, with (1 + w) given, and OLMo 2's). */
+typedef struct {
+    const float *q, *k;
+    int width, kind;
+    float eps;
+} QKNorm;
 
 /* `value` rounded to bfloat16 when `is_bf16`, else unchanged. */
 static inline float round_to(float value, int is_bf16) {
@@ -169,15 +179,38 @@ static void add_rms_norm_row(void *out, void *res_row, const void *x_row, const 
     }
 }
 
-/* rotate_heads on 16 lanes; head_dim a multiple of 32. */
+/* One head's RMSNorm (QKNorm's, per head: `w` over n values) on 16 lanes, into the float32 `dst`. */
+static void qk_norm_head16(float *dst, const void *head, const float *w, int n, const QKNorm *norm, int is_bf16) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __m512 x = load16(head, i, n, is_bf16);
+        squares = _mm512_add_ps(squares, _mm512_mul_ps(x, x));
+    }
+    __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + norm->eps));
+    for (int i = 0; i < n; i += 16) {
+        __m512 normed = _mm512_mul_ps(load16(head, i, n, is_bf16), inverse);
+        if (norm->kind == QK_NORM_RMS) normed = round16(normed, is_bf16);
+        _mm512_storeu_ps(dst + i, round16(_mm512_mul_ps(_mm512_loadu_ps(w + i), normed), is_bf16));
+    }
+}
+
+/* rotate_heads on 16 lanes for a rotation over whole heads, after per-head norms where `norm`
+ * has them; head_dim a multiple of 32. */
 static void rotate_heads16(void *q_row, void *k_row, const void *x, const void *cos, const void *sin, int num_heads,
-                           int num_kv_heads, int head_dim, int is_bf16) {
+                           int num_kv_heads, int head_dim, const QKNorm *norm, int is_bf16) {
     int half = head_dim / 2;
+    float normed[head_dim];
     for (int h = 0; h < num_heads + num_kv_heads; h++) {
-        const char *head = (const char *)row_at(x, h, head_dim, is_bf16);
+        const void *head = row_at(x, h, head_dim, is_bf16);
+        int head_is_bf16 = is_bf16;
+        if (norm->q) {
+            qk_norm_head16(normed, head, h < num_heads ? norm->q : norm->k, head_dim, norm, is_bf16);
+            head = normed;
+            head_is_bf16 = 0;
+        }
         void *dst = h < num_heads ? row_at(q_row, h, head_dim, is_bf16) : row_at(k_row, h - num_heads, head_dim, is_bf16);
         for (int i = 0; i < half; i += 16) {
-            __m512 low = load16(head, i, head_dim, is_bf16), high = load16(head, i + half, head_dim, is_bf16);
+            __m512 low = load16(head, i, head_dim, head_is_bf16), high = load16(head, i + half, head_dim, head_is_bf16);
             __m512 cos_low = load16(cos, i, head_dim, is_bf16), cos_high = load16(cos, i + half, head_dim, is_bf16);
             __m512 sin_low = load16(sin, i, head_dim, is_bf16), sin_high = load16(sin, i + half, head_dim, is_bf16);
             __m512 out_low = _mm512_sub_ps(round16(_mm512_mul_ps(low, cos_low), is_bf16),
@@ -314,16 +347,6 @@ static inline void rotate_head(float *restrict dst, const float *restrict x, con
     for (int i = rotary_dim; i < head_dim; i++) dst[i] = x[i];
 }
 
-/* The RMSNorms of q and k before their rotation: weights q (float32, `width` values) and k, or
- * NULL for none; `width` is head_dim (one norm per head) or 0 (one over all q heads, one over all
- * k heads); QK_NORM_RMS rounds the normalized value then its product with the weight (Llama's
- * RMSNorm), QK_NORM_RMS_SCALED only the product (Gemma's, with (1 + w) given, and OLMo 2's). */
-typedef struct {
-    const float *q, *k;
-    int width, kind;
-    float eps;
-} QKNorm;
-
 /* One RMSNorm of `n` values in place (see QKNorm). */
 static void rms_norm_in_place(float *x, const float *w, int n, const QKNorm *norm, int is_bf16) {
     float squares = 0.0f;
@@ -382,8 +405,8 @@ void bg_rope_write_kv(void *q_out, void *k_out, void *k_cache, void *v_cache, co
         void *q_row = row_at(q_out, t, num_heads * head_dim, is_bf16), *k_row = row_at(k_out, t, kv_width, is_bf16);
         const void *cos_row = row_at(cos, t, rotary_dim, is_bf16), *sin_row = row_at(sin, t, rotary_dim, is_bf16);
 #ifdef HAS_ROW16
-        if (head_dim % 32 == 0 && rotary_dim == head_dim && !q_norm)
-            rotate_heads16(q_row, k_row, row, cos_row, sin_row, num_heads, num_kv_heads, head_dim, is_bf16);
+        if (head_dim % 32 == 0 && rotary_dim == head_dim && (!q_norm || norm_width == head_dim))
+            rotate_heads16(q_row, k_row, row, cos_row, sin_row, num_heads, num_kv_heads, head_dim, &norm, is_bf16);
         else
 #endif
             rotate_heads(q_row, k_row, row, cos_row, sin_row, num_heads, num_kv_heads, head_dim, rotary_dim, &norm,
