@@ -14,6 +14,8 @@ Each system is capped where it offers a switch:
 - openvino: not capped. Its release build honours no cap on its own kernels (``OV_CPU_MAX_ISA``
   is a debug-build switch in 2026.4) and a cap on its oneDNN alone splits the plugin between two
   ISAs, so it keeps AVX-512: the comparison can only flatter it.
+- llama-cpp: not capped. Its server is built for the machine's own ISA (``GGML_NATIVE``) and
+  reads no switch at run time: as openvino, it keeps AVX-512.
 
 What is not emulated: the machine's caches, memory and clock stay this one's.
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 SITE_DIR = Path(__file__).resolve().parent / "avx2_only"
 CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "BATCHGEN_CC": str(SITE_DIR / "cc")}
-UNCAPPED_PEERS = ("openvino",)
+UNCAPPED_PEERS = ("openvino", "llama-cpp")  # their virtualenvs' names
 
 
 def is_active(environment: dict[str, str]) -> bool:
@@ -41,12 +43,13 @@ def restart_capped() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CAPS})
 
 
-def peer_environment(name: str, environment: dict[str, str]) -> dict[str, str]:
-    """A peer's environment under the emulation (unchanged when `environment` has no caps):
-    an uncapped peer loses the caps; the others get ``avx2_only/`` first on their PYTHONPATH."""
+def peer_environment(venv: str, environment: dict[str, str]) -> dict[str, str]:
+    """The environment of a peer in virtualenv `venv` under the emulation (unchanged when
+    `environment` has no caps): an uncapped peer loses the caps; the others get ``avx2_only/``
+    first on their PYTHONPATH."""
     if not is_active(environment):
         return environment
-    if name in UNCAPPED_PEERS:
+    if venv in UNCAPPED_PEERS:
         return {key: value for key, value in environment.items() if key not in CAPS}
     path = os.pathsep.join(filter(None, [str(SITE_DIR), environment.get("PYTHONPATH")]))
     return {**environment, "PYTHONPATH": path}

