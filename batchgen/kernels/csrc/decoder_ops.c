@@ -158,6 +158,16 @@ static inline __m512 expf16(__m512 x) {
     return _mm512_scalef_ps(poly, n);
 }
 
+/* tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|), on 16 lanes (vector_tanhf's steps). */
+static inline __m512 tanh16(__m512 y) {
+    __m512 magnitude = _mm512_abs_ps(y);
+    __m512 e = expf16(_mm512_mul_ps(magnitude, _mm512_set1_ps(-2.0f)));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 result = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(result), sign));
+}
+
 /* residual_row += x_row (rounded to dtype) when x_row is not NULL; then
  * out = w * round(residual_row * (1 / sqrt(mean(residual_row^2) + eps))), on 16 lanes (the sum
  * of squares in another order than the portable loop's: transformers' differs from both). */
@@ -210,7 +220,8 @@ static void rotate_heads16(void *q_row, void *k_row, const void *x, const void *
         }
         void *dst = h < num_heads ? row_at(q_row, h, head_dim, is_bf16) : row_at(k_row, h - num_heads, head_dim, is_bf16);
         for (int i = 0; i < half; i += 16) {
-            __m512 low = load16(head, i, head_dim, head_is_bf16), high = load16(head, i + half, head_dim, head_is_bf16);
+            __m512 low = load16(head, i, head_dim, head_is_bf16);
+        __m512 high = load16(head, i + half, head_dim, head_is_bf16);
             __m512 cos_low = load16(cos, i, head_dim, is_bf16), cos_high = load16(cos, i + half, head_dim, is_bf16);
             __m512 sin_low = load16(sin, i, head_dim, is_bf16), sin_high = load16(sin, i + half, head_dim, is_bf16);
             __m512 out_low = _mm512_sub_ps(round16(_mm512_mul_ps(low, cos_low), is_bf16),
@@ -476,39 +487,51 @@ static inline float vector_tanhf(float x) {
     return copysignf((1.0f - e) / (1.0f + e), x);
 }
 
-/* out = GPT-2's tanh GELU of x (n elements, out may be x), each step rounded to dtype as
- * transformers' NewGELUActivation's tensor ops round it. */
+#ifdef HAS_ROW16
+/* GPT-2's tanh GELU of `count` elements of x into out (out may be x), on 16 lanes: the portable
+ * loop's operations and roundings in its order. */
+static void gelu_new_part(void *out, const void *x, int count, int is_bf16) {
+    const __m512 root = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int i = 0; i < count; i += 16) {
+        __m512 v = load16(x, i, count, is_bf16);
+        __m512 cube = round16(_mm512_mul_ps(round16(_mm512_mul_ps(v, v), is_bf16), v), is_bf16);
+        __m512 inner = round16(_mm512_add_ps(v, round16(_mm512_mul_ps(cubic, cube), is_bf16)), is_bf16);
+        __m512 tanh = round16(tanh16(round16(_mm512_mul_ps(root, inner), is_bf16)), is_bf16);
+        __m512 halved = round16(_mm512_mul_ps(half, v), is_bf16);
+        store16(out, i, count, _mm512_mul_ps(halved, round16(_mm512_add_ps(one, tanh), is_bf16)), is_bf16);
+    }
+}
+#else
+/* GPT-2's tanh GELU of `count` elements of x into out (out may be x), each step rounded to dtype
+ * as transformers' NewGELUActivation's tensor ops round it. */
+static void gelu_new_part(void *out, const void *x, int count, int is_bf16) {
+    const float root = 0.7978845608028654f; /* sqrt(2 / pi) */
+    float buf[count], result[count];
+    const float *v = as_float(x, buf, count, is_bf16);
+    for (int i = 0; i < count; i++) {
+        float cube = round_to(round_to(v[i] * v[i], is_bf16) * v[i], is_bf16); /* torch.pow(x, 3): x * x, then * x */
+        float inner = round_to(v[i] + round_to(0.044715f * cube, is_bf16), is_bf16);
+        float tanh = round_to(vector_tanhf(round_to(root * inner, is_bf16)), is_bf16);
+        result[i] = round_to(0.5f * v[i], is_bf16) * round_to(1.0f + tanh, is_bf16);
+    }
+    store_row(out, result, count, is_bf16);
+}
+#endif
+
+/* out = GPT-2's tanh GELU of x (n elements, out may be x), in parts of 4,096 (gelu_new_part). */
 void bg_gelu_new(void *out, const void *x, int64_t n, int dtype, int num_threads) {
     int is_bf16 = dtype == DTYPE_BF16;
-    const float root = 0.7978845608028654f; /* sqrt(2 / pi) */
     int is_parallel = num_threads > 1 && n >= MIN_PARALLEL_ELEMENTS;
     int64_t step = 4096;
 #pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
     for (int64_t start = 0; start < n; start += step) {
         int count = (int)(n - start < step ? n - start : step);
-        float buf[count], result[count];
-        const float *v = as_float(row_at(x, start, 1, is_bf16), buf, count, is_bf16);
-        for (int i = 0; i < count; i++) {
-            float cube = round_to(round_to(v[i] * v[i], is_bf16) * v[i], is_bf16); /* torch.pow(x, 3): x * x, then * x */
-            float inner = round_to(v[i] + round_to(0.044715f * cube, is_bf16), is_bf16);
-            float tanh = round_to(vector_tanhf(round_to(root * inner, is_bf16)), is_bf16);
-            result[i] = round_to(0.5f * v[i], is_bf16) * round_to(1.0f + tanh, is_bf16);
-        }
-        store_row(row_at(out, start, 1, is_bf16), result, count, is_bf16);
+        gelu_new_part(row_at(out, start, 1, is_bf16), row_at(x, start, 1, is_bf16), count, is_bf16);
     }
 }
 
 #ifdef HAS_ROW16
-/* tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|), on 16 lanes (vector_tanhf's steps). */
-static inline __m512 tanh16(__m512 y) {
-    __m512 magnitude = _mm512_abs_ps(y);
-    __m512 e = expf16(_mm512_mul_ps(magnitude, _mm512_set1_ps(-2.0f)));
-    __m512 one = _mm512_set1_ps(1.0f);
-    __m512 result = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(result), sign));
-}
-
 /* out = round(gelu_tanh(gate)) * up for one gate|up row of 2 * width, on 16 lanes: the portable
  * loop's operations in its order. */
 static void gelu_tanh_mul_row(void *out, const void *gate_up, int width, int is_bf16) {
