@@ -27,12 +27,12 @@
  * the half of the rows it wrote, so from about 16 decode rows on both threads win (measured in
  * docs/performance.md).
  *
- * With AVX-512 (F, BW, VL) a row of the norms, of SiLU(gate) * up and tanh GELU(gate) * up, and
- * of the rotary pass over whole heads (after per-head q/k norms, if any) is one pass of 16-lane
- * intrinsics (HAS_ROW16), faster than the portable loops, which gcc vectorizes through temporary
- * rows. Both compute the same operations except the exponential (expf16: its own polynomial,
- * within a few ulp of vector_expf), the order of the norms' sums and, with AVX512-BF16, the
- * bfloat16 rounding (the convert instruction flushes subnormal values to zero).
+ * With AVX-512 (F, BW, VL) a row of the norms, of the activations and of the rotary pass over
+ * whole heads (after per-head q/k norms, if any) is one pass of 16-lane intrinsics (HAS_ROW16),
+ * faster than the portable loops, which gcc vectorizes through temporary rows. Both compute the
+ * same operations except the exponential (expf16: its own polynomial, within a few ulp of
+ * vector_expf), the order of the norms' sums and, with AVX512-BF16, the bfloat16 rounding (the
+ * convert instruction flushes subnormal values to zero).
  */
 #include <math.h>
 #include <stdint.h>
@@ -454,6 +454,26 @@ void bg_silu_mul(void *out, const void *gate_up, int num_rows, int width, int dt
     }
 }
 
+#ifdef HAS_ROW16
+/* out = round(round(up' + 1) * round(g * round(sigmoid(round(alpha * g))))) for one gate|up row of
+ * 2 * width, where g = min(gate, limit) and up' = clamp(up, -limit, limit), on 16 lanes: the
+ * portable loop's operations and roundings (a NaN gate gives g = limit, a NaN up stays NaN). */
+static void clamped_glu_row(void *out, const void *gate_up, int width, float alpha, float limit, int is_bf16) {
+    const char *up_row = (const char *)row_at(gate_up, 1, width, is_bf16);
+    const __m512 high = _mm512_set1_ps(limit), low = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.0f);
+    const __m512 scale = _mm512_set1_ps(alpha);
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
+    for (int i = 0; i < width; i += 16) {
+        __m512 gate = _mm512_min_ps(load16(gate_up, i, width, is_bf16), high);
+        __m512 up = _mm512_max_ps(low, _mm512_min_ps(high, load16(up_row, i, width, is_bf16)));
+        __m512 scaled = round16(_mm512_mul_ps(gate, scale), is_bf16);
+        __m512 negated = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(scaled), sign_bit));
+        __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, expf16(negated)));
+        __m512 glu = round16(_mm512_mul_ps(gate, round16(sigmoid, is_bf16)), is_bf16);
+        store16(out, i, width, _mm512_mul_ps(round16(_mm512_add_ps(up, one), is_bf16), glu), is_bf16);
+    }
+}
+#else
 /* out = round(round(up' + 1) * round(g * round(sigmoid(round(alpha * g))))) for one gate|up row of
  * 2 * width, where g = min(gate, limit) and up' = clamp(up, -limit, limit): each product rounded to
  * dtype as gpt-oss' tensor ops round it. */
@@ -468,6 +488,7 @@ static void clamped_glu_row(void *out, const void *gate_up, int width, float alp
     }
     store_row(out, out_buf, width, is_bf16);
 }
+#endif
 
 /* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] (clamped_glu_row). */
 void bg_clamped_glu(void *out, const void *gate_up, int num_rows, int width, float alpha, float limit, int dtype,
