@@ -39,7 +39,7 @@ from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorP
                                                       read_field)
 
 from batchgen.engine.model_readers import LLAMA_LIKE
-from batchgen.kernels.loaded_int8 import LoadedLinear, LoadedWeight
+from batchgen.kernels.loaded_int8 import LoadedLinear, LoadedWeight, return_freed_memory
 from batchgen.models import (LoadedModel, load_tokenizer_and_config, quiet_transformers, resolve_device, resolve_dtype,
                              resolve_source)
 
@@ -86,6 +86,7 @@ def load_gguf_int8(gguf_path: Path, config: PretrainedConfig, dtype: torch.dtype
         elif hf_name is not None:
             set_tensor(model, hf_name, weight)
         del weight
+        return_freed_memory()
     for name, module in products.items():
         parent, attribute = name.removesuffix(".weight").rsplit(".", 1)
         setattr(model.get_submodule(parent), attribute, LoadedLinear(loaded[name], module.bias))
@@ -104,7 +105,9 @@ def read_tensor(tensor: ReaderTensor, processor: TensorProcessor,
                                tensor_key_mapping=names, parsed_parameters={"tensors": {}})
     if result.name not in names:
         return None, None
-    return names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
+    weights = result.weights
+    fresh = weights.dtype == np.float32 and weights.flags.writeable and weights.flags.c_contiguous
+    return names[result.name], torch.from_numpy(weights if fresh else np.array(weights, dtype=np.float32))
 
 
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -19,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.int8_linear import Int8Weight, quantize_weight, quantized_channels
+
+LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,23 @@ class LoadedWeight:
         if mode == "int8-weight":
             return Int8Weight(self.values, self.scales, False)
         weight = self.dequantize().to(self.values.device)
-        return quantize_weight(weight, mode, input_absmax, dtype=self.dtype)
+        quantized = quantize_weight(weight, mode, input_absmax, dtype=self.dtype)
+        del weight
+        return_freed_memory()
+        return quantized
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """``values * scales`` in `dtype`."""
         return self.values.to(dtype) * self.scales.to(dtype)[:, None]
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere). A weight's float32 copies are freed once it is quantized, but glibc keeps freed
+    blocks under its mapping threshold (32 MiB at most) in the heap, between the int8 tensors
+    made since, and a model of small tensors would grow the process by their sum."""
+    if LIBC is not None and hasattr(LIBC, "malloc_trim"):
+        LIBC.malloc_trim(0)
 
 
 class LoadedLinear(nn.Module):
