@@ -311,9 +311,9 @@ class FusedDecoder:
         kept = F.pad(kept, (0, 0, 0, bucketed(num_kept, self.row_bucket) - num_kept))
         logits = packed_linear(kept, self.lm_head)[:num_kept]
         if self.spec.logit_divisor is not None:
-            logits = logits / self.spec.logit_divisor
-        if self.spec.final_softcap is not None:
-            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+            logits.div_(self.spec.logit_divisor)
+        if self.spec.final_softcap is not None:  # tanh(logits / cap) * cap, in place
+            logits.div_(self.spec.final_softcap).tanh_().mul_(self.spec.final_softcap)
         return logits
 
 
