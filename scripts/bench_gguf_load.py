@@ -15,6 +15,11 @@ quantization=mode)`. Three loads per model and mode:
 
 The peak is the child's ``ru_maxrss`` (its resident pages at their most, the mapped GGUF's
 included); ``rss_after_mb`` is what it holds with the engine ready.
+
+``weight_error``: how far each path's int8 weights lie from the file's own values (the float32
+conversion's weights): the relative RMS error ``sqrt(sum (values * scales - w)^2 / sum w^2)``
+over every product, per channel as ``int8-weight`` quantizes (``int8`` unsmoothed alike), for
+the direct load and for the round trip, which quantizes the weights rounded to bfloat16.
 """
 
 from __future__ import annotations
@@ -106,6 +111,26 @@ def measure(path: str, mode: str, root: Path) -> dict:
     return results
 
 
+def weight_error(path: str) -> dict:
+    """The relative RMS error of the int8 weights of each path (see the module docstring)."""
+    from batchgen import models
+    from batchgen.engine.gguf_int8 import load_quantized
+    from batchgen.kernels.int8_linear import quantized_channels
+    from batchgen.kernels.loaded_int8 import LoadedLinear
+
+    direct = load_quantized(path, "cpu", "bfloat16").model
+    converted = models.load_model(path, device="cpu", dtype="float32").model
+    sums = {"direct": 0.0, "round-trip": 0.0, "weights": 0.0}
+    for name, module in direct.named_modules():
+        if isinstance(module, LoadedLinear):
+            weight = converted.get_submodule(name).weight.detach()
+            values, scales = quantized_channels(weight.bfloat16(), "int8-weight")
+            sums["direct"] += float((module.loaded.dense(torch.float32) - weight).square().sum())
+            sums["round-trip"] += float((values.float() * scales.float()[:, None] - weight).square().sum())
+            sums["weights"] += float(weight.square().sum())
+    return {kind: round((sums[kind] / sums["weights"]) ** 0.5, 6) for kind in ("direct", "round-trip")}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="default,gemma3,qwen-coder")
@@ -124,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
             for mode in [m for m in args.modes.split(",") if m]:
                 entry[mode] = measure(path, mode, root)
                 print(name, mode, json.dumps(entry[mode]), flush=True)
+            entry["weight_error"] = weight_error(path)
+            print(name, "weight_error", json.dumps(entry["weight_error"]), flush=True)
             result["models"][name] = entry
     result["machine_at_end"] = machine_info(torch.device("cpu"))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
