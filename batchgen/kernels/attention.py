@@ -30,7 +30,8 @@ shared prefix once: cascade; a gather + SDPA fallback where neither is available
 chunks in one call of the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
 float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
 head_dim 64, both kinds go through the AMX kernels (`amx_attention`), decode rows through the
-vector kernel's cascade where the AMX one does not apply. Over an int8 pool (`kv_int8`) decode
+vector kernel's cascade where the AMX one does not apply; there, in bfloat16, a windowed layer's
+prefill runs on flash SDPA in bands (`window_bands`) before the C kernel. Over an int8 pool (`kv_int8`) decode
 rows run on `kv_int8`'s C kernel, which dequantizes the rows as it reads them; prefill chunks (and
 decode rows where that kernel does not run) gather the rows and dequantize them for SDPA.
 """
@@ -50,7 +51,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from batchgen.kernels import amx_attention, cpu_attention, kv_int8
+from batchgen.kernels import amx_attention, cpu_attention, kv_int8, window_bands
 from batchgen.kernels.attention_kernel import FULL, AttentionKernel, AttentionVariant, PagedSeqs
 from batchgen.kernels.kv_int8 import readable
 from batchgen.kernels.paged_layout import PrefillBatch, context_slots, padded_chunks, padded_context_slots
@@ -318,11 +319,11 @@ class NativeBackend(AttentionBackend):
     `decode` runs the decode rows (`decode_fallback` where it does not run them); when
     `shares_prefixes`, their `decode_groups` go with them and a kernel may read a group's shared
     prefix once for all its sequences (cascade attention). `prefill`, when given, attends every
-    prefill chunk over the pool in one call; where it does not run them, `variant_prefill` does
-    for a layer with a window shorter than some context (its keys start at each row's window:
-    SDPA would compute every key and mask most), a soft-cap or sinks (through SDPA they run
-    eagerly in float32), else SDPA. A window longer than every context of the step masks
-    nothing: such a layer runs as a full one. Through SDPA, a prefill chunk with no cached
+    prefill chunk over the pool in one call; where it does not run them, the first of
+    `variant_prefills` that runs them does for a layer with a window shorter than some context
+    (its keys start at each row's window: SDPA would compute every key and mask most), a
+    soft-cap or sinks (through SDPA they run eagerly in float32), else SDPA. A window longer than
+    every context of the step masks nothing: such a layer runs as a full one. Through SDPA, a prefill chunk with no cached
     context attends to its own new K/V without touching the pool (over an int8 pool it reads
     them as stored, so a prompt attends alike whether its prefix was cached or not).
     """
@@ -330,12 +331,12 @@ class NativeBackend(AttentionBackend):
     name = "native"
 
     def __init__(self, decode: AttentionKernel, prefill: AttentionKernel | None = None,
-                 decode_fallback: AttentionKernel | None = None, variant_prefill: AttentionKernel | None = None,
+                 decode_fallback: AttentionKernel | None = None, variant_prefills: tuple[AttentionKernel, ...] = (),
                  shares_prefixes: bool = False, captures_decode: bool = False):
         self.decode = decode
         self.prefill = prefill
         self.decode_fallback = decode_fallback
-        self.variant_prefill = variant_prefill
+        self.variant_prefills = variant_prefills
         self.shares_prefixes = shares_prefixes
         self.captures_decode = captures_decode
 
@@ -347,7 +348,7 @@ class NativeBackend(AttentionBackend):
         if num_decode:
             self.attend_decode(q[:num_decode], k_cache, v_cache, meta.decode_seqs, scale, result[:num_decode], variant)
         if num_decode < len(meta.query_lens):
-            kernels = (self.prefill,) if variant.is_full else (self.prefill, self.variant_prefill)
+            kernels = (self.prefill,) if variant.is_full else (self.prefill, *self.variant_prefills)
             if not any(kernel is not None and kernel(q, k_cache, v_cache, meta.prefill_seqs, scale, result, variant)
                        for kernel in kernels):
                 attend_prefill_sdpa(q, k, v, k_cache, v_cache, meta, scale, result, variant)
@@ -441,13 +442,17 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
     if cache_dtype == torch.int8:
         return NativeBackend(kv_int8.paged_decode_attention)
     if device.type == "cpu" and cpu_attention.is_available():
+        is_c_preferred = cpu_attention.prefill_is_preferred(dtype)
+        variant_prefills = (cpu_attention.paged_prefill_attention,)
+        if not is_c_preferred:  # flash SDPA outruns the C kernel: windows too, in its bands
+            variant_prefills = (window_bands.paged_prefill_attention, *variant_prefills)
         if amx_attention.supports(dtype, head_dim):
             return NativeBackend(amx_attention.paged_decode_attention, amx_attention.paged_prefill_attention,
                                  decode_fallback=cpu_attention.paged_decode_attention,
-                                 variant_prefill=cpu_attention.paged_prefill_attention, shares_prefixes=True)
-        prefill = cpu_attention.paged_prefill_attention if cpu_attention.prefill_is_preferred(dtype) else None
-        return NativeBackend(cpu_attention.paged_decode_attention, prefill,
-                             variant_prefill=cpu_attention.paged_prefill_attention, shares_prefixes=True)
+                                 variant_prefills=variant_prefills, shares_prefixes=True)
+        prefill = cpu_attention.paged_prefill_attention if is_c_preferred else None
+        return NativeBackend(cpu_attention.paged_decode_attention, prefill, variant_prefills=variant_prefills,
+                             shares_prefixes=True)
     if device.type == "cuda":
         from batchgen.kernels import cuda_attention
 
