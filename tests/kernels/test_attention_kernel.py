@@ -64,7 +64,8 @@ def test_every_prefill_kernel_takes_one_call_with_groups(kernel):
 
 def test_python_passes_the_headers_signature():
     header = (CSRC_DIR / "attention_kernel.h").read_text()
-    parameters = re.search(r"typedef int AttentionKernel\((.*?)\);", header, re.S).group(1).split(",")
+    macro = re.search(r"#define ATTENTION_KERNEL_PARAMS(.*?)\n\n", header, re.S).group(1)
+    parameters = macro.replace("\\", "").split(",")
     kinds = [ctypes.c_void_p if "*" in p else ctypes.c_float if "float" in p else ctypes.c_int for p in parameters]
     assert kinds == C_ARGTYPES
 

@@ -919,12 +919,7 @@ static int run_decode_items(const DecodeProblem *p, const DecodeItem *items, int
  * (first, end, prefix), in order and disjoint: sequences first .. end - 1 (at least two) hold
  * the same blocks for positions [0, prefix), 0 < prefix < each one's context; the prefix is
  * attended once for up to 16 / group of them. On STATUS_OK every element of `out` is written. */
-int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                            const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
-                            int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                            int max_blocks, float scale, int window, float softcap, const float *sinks,
-                            int dtype, int num_threads) {
+int bg_amx_decode_attention(ATTENTION_KERNEL_PARAMS) {
     (void)query_starts, (void)query_lens; /* decode: query row s is sequence s's */
     int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || block_size % KEY_TILE || group < 1 || group > MAX_COLUMNS
@@ -951,12 +946,7 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
  * order and disjoint, over sequences 0 .. num_seqs - 1: members first .. end - 1 (at least two)
  * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
  * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
-int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                             const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                             const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
-                             int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                             int max_blocks, float scale, int window, float softcap, const float *sinks,
-                             int dtype, int num_threads) {
+int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
     if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || window || softcap || sinks || !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
@@ -988,30 +978,8 @@ int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, cons
 
 int bg_amx_attention_available(void) { return 0; }
 
-int bg_amx_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                             const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                             const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
-                             int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                             int max_blocks, float scale, int window, float softcap, const float *sinks,
-                             int dtype, int num_threads) {
-    (void)window, (void)softcap, (void)sinks;
-    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
-    (void)query_lens, (void)groups, (void)num_seqs, (void)num_groups, (void)num_heads, (void)num_kv_heads;
-    (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks, (void)scale, (void)dtype, (void)num_threads;
-    return STATUS_UNSUPPORTED;
-}
+int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) { return STATUS_UNSUPPORTED; }
 
-int bg_amx_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                            const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
-                            int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                            int max_blocks, float scale, int window, float softcap, const float *sinks,
-                            int dtype, int num_threads) {
-    (void)window, (void)softcap, (void)sinks;
-    (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)query_starts;
-    (void)query_lens, (void)groups, (void)num_seqs, (void)num_groups, (void)num_heads, (void)num_kv_heads;
-    (void)head_dim, (void)num_blocks, (void)block_size, (void)max_blocks, (void)scale, (void)dtype, (void)num_threads;
-    return STATUS_UNSUPPORTED;
-}
+int bg_amx_decode_attention(ATTENTION_KERNEL_PARAMS) { return STATUS_UNSUPPORTED; }
 
 #endif

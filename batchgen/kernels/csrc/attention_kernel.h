@@ -36,12 +36,16 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
-typedef int AttentionKernel(void *out, const void *q, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                            const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
-                            int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                            int max_blocks, float scale, int window, float softcap, const float *sinks, int dtype,
-                            int num_threads);
+/* The parameters of every attention kernel, in the order described above: a kernel is defined
+ * as `int name(ATTENTION_KERNEL_PARAMS) { ... }`. */
+#define ATTENTION_KERNEL_PARAMS                                                                                   \
+    void *out, const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,            \
+        const int32_t *context_lens, const int32_t *query_starts, const int32_t *query_lens, const int32_t *groups, \
+        int num_seqs, int num_groups, int num_heads, int num_kv_heads, int head_dim, int num_blocks,                \
+        int block_size, int max_blocks, float scale, int window, float softcap, const float *sinks, int dtype,     \
+        int num_threads
+
+typedef int AttentionKernel(ATTENTION_KERNEL_PARAMS);
 
 AttentionKernel bg_paged_decode_attention, bg_paged_prefill_attention; /* paged_attention.c */
 AttentionKernel bg_amx_decode_attention, bg_amx_prefill_attention;     /* amx_attention.c */

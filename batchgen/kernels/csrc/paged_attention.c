@@ -1204,12 +1204,7 @@ static inline int claim_item(int *next_item) {
  * first .. end - 1 share their first prefix_tokens tokens. That prefix is attended once for all
  * members (cascade attention: a tile of up to PREFILL_TILE members, its K and V read once), then
  * each sequence continues from that state over its own tokens. The result is the same attention. */
-int bg_paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                              const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                              const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
-                              int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                              int max_blocks, float scale, int window, float softcap, const float *sinks,
-                int dtype, int num_threads) {
+int bg_paged_decode_attention(ATTENTION_KERNEL_PARAMS) {
     (void)query_starts, (void)query_lens; /* decode: query row s is sequence s's */
 #ifndef __FLT16_MAX__
     if (dtype == DTYPE_F16) return STATUS_UNSUPPORTED;
@@ -1294,12 +1289,7 @@ int bg_prefill_supported(int dtype, int head_dim) {
  * own tokens. Sequence s's query tokens are packed rows query_starts[s] .. + query_lens[s] of
  * q and out ([rows, num_heads, head_dim]); they are the last query_lens[s] of its
  * context_lens[s] positions. Work items are (sequence, tile of PREFILL_TILE tokens, kv head). */
-int bg_paged_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                               const int32_t *block_tables, const int32_t *context_lens, const int32_t *query_starts,
-                               const int32_t *query_lens, const int32_t *groups, int num_seqs, int num_groups,
-                               int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                               int max_blocks, float scale, int window, float softcap, const float *sinks,
-                int dtype, int num_threads) {
+int bg_paged_prefill_attention(ATTENTION_KERNEL_PARAMS) {
     (void)groups, (void)num_groups; /* each chunk attends its whole context itself */
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, dtype, scale, NULL, NULL,
