@@ -6,10 +6,9 @@ from batchgen.kernels.attention import make_backend
 from batchgen.kernels.attention_kernel import AttentionVariant, PagedSeqs
 from tests.kernels.paged_inputs import make_inputs, reference_prefill
 
-# chunks: a whole prompt of several bands, a short one with cached context (the mask), a single
-# token, one with cached context whose first rows' windows start at 0 and later ones' do not, a
-# short one after a long context; windows from one position to longer than every chunk, bands of
-# MIN_BAND_ROWS rows and more
+# chunks: a whole prompt of several bands, a short one with cached context, a single token, one
+# with cached context whose first rows' windows start at 0 and later ones' do not, a short one
+# after a long context; windows from one position to longer than every chunk
 CONTEXT_LENS = [600, 40, 1, 333, 700]
 QUERY_LENS = [600, 17, 1, 300, 5]
 
@@ -26,7 +25,8 @@ def prefill_inputs(dtype, num_heads=4, num_kv_heads=1, head_dim=64):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("window", [1, 5, 65, 70, 256, 300, 601])
-def test_matches_reference(dtype, atol, window):
+def test_matches_reference(monkeypatch, dtype, atol, window):
+    monkeypatch.setattr(window_bands, "BAND_ROWS", 256)  # chunks of several bands
     q, k_cache, v_cache, seqs = prefill_inputs(dtype)
     out = torch.full_like(q, float("nan"))
     variant = AttentionVariant(window=window)
