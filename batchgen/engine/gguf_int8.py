@@ -46,6 +46,7 @@ from batchgen.models import (LoadedModel, load_tokenizer_and_config, quiet_trans
 logger = logging.getLogger(__name__)
 
 PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # as `model_readers` merges them
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -77,12 +78,13 @@ def load_gguf_int8(gguf_path: Path, config: PretrainedConfig, dtype: torch.dtype
     materialize_buffers(model)
     products = {f"{name}.weight": module for name, module in model.named_modules()
                 if isinstance(module, nn.Linear) and ".layers." in name and name.rsplit(".", 1)[-1] in PRODUCTS}
+    rows = product_rows(products)
     loaded: dict[str, LoadedWeight] = {}
     for tensor in reader.tensors:
         read = functools.partial(read_tensor, tensor, processor, names)
         hf_name, weight = read()
         if hf_name in products:
-            loaded[hf_name] = LoadedWeight.of(weight, lambda read=read: read()[1], dtype)
+            loaded[hf_name] = LoadedWeight.of(weight, lambda read=read: read()[1], dtype, rows[hf_name])
         elif hf_name is not None:
             set_tensor(model, hf_name, weight)
         del weight
@@ -95,6 +97,28 @@ def load_gguf_int8(gguf_path: Path, config: PretrainedConfig, dtype: torch.dtype
     if missing:
         raise ValueError(f"{gguf_path.name} holds no tensor for {', '.join(missing[:5])}")
     return model.eval()
+
+
+def product_rows(products: dict[str, nn.Linear]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per product (its weight's name), the int8 values and bf16 scales it is loaded into: rows
+    of one buffer per merged product of a layer (q|k|v, gate|up, in the fused step's order), so
+    that product is a view of its modules' rows (`LoadedWeight.cat`), not a copy of them."""
+    groups: dict[tuple[str, tuple[str, ...]], list[tuple[int, str, nn.Linear]]] = {}
+    for name, module in products.items():
+        parent, attribute = name.removesuffix(".weight").rsplit(".", 1)
+        group = next((group for group in MERGED if attribute in group), (attribute,))
+        groups.setdefault((parent, group), []).append((group.index(attribute), name, module))
+    rows = {}
+    for members in groups.values():
+        members.sort()
+        values = torch.empty((sum(module.out_features for *_, module in members), members[0][2].in_features),
+                             dtype=torch.int8)
+        scales = torch.empty(len(values), dtype=torch.bfloat16)
+        start = 0
+        for _, name, module in members:
+            rows[name] = values[start:start + module.out_features], scales[start:start + module.out_features]
+            start += module.out_features
+    return rows
 
 
 def read_tensor(tensor: ReaderTensor, processor: TensorProcessor,

@@ -8,7 +8,8 @@ module that holds one in the model, in place of an ``nn.Linear``.
 
 Invariants:
 - `values`, `scales` equal ``quantized_channels(dequantize(), "int8-weight")``; `cat` and `rows`
-  keep this (the quantization is row by row).
+  keep this (the quantization is row by row). `cat` of rows adjacent in one buffer is a view: the
+  fused step's merged products then share the modules' memory.
 - `int8(mode, input_absmax)` equals ``int8_linear.quantize_weight(dequantize(), mode,
   input_absmax)`` for a model in `dtype`: the ``int8-weight`` values as they are; ``int8`` (W8A8)
   from the float32 source, smoothed, quantized per channel.
@@ -43,10 +44,14 @@ class LoadedWeight:
     dtype: torch.dtype  # the model's: its products' inputs
 
     @classmethod
-    def of(cls, weight: torch.Tensor, dequantize: Callable[[], torch.Tensor], dtype: torch.dtype) -> LoadedWeight:
-        """`weight` (float32, from `dequantize`) quantized per output channel; `weight` itself is not kept."""
+    def of(cls, weight: torch.Tensor, dequantize: Callable[[], torch.Tensor], dtype: torch.dtype,
+           rows: tuple[torch.Tensor, torch.Tensor]) -> LoadedWeight:
+        """`weight` (float32, from `dequantize`) quantized per output channel into `rows` (values
+        and scales to fill, as `weight` has rows); `weight` itself is not kept."""
         values, scales = quantized_channels(weight, "int8-weight")
-        return cls(values, scales, dequantize, dtype)
+        rows[0].copy_(values)
+        rows[1].copy_(scales)
+        return cls(*rows, dequantize, dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -54,9 +59,11 @@ class LoadedWeight:
 
     @classmethod
     def cat(cls, parts: list[LoadedWeight]) -> LoadedWeight:
-        """The row-wise concatenation of `parts`."""
-        return cls(torch.cat([part.values for part in parts]), torch.cat([part.scales for part in parts]),
-                   lambda: torch.cat([part.dequantize() for part in parts]), parts[0].dtype)
+        """The row-wise concatenation of `parts`: a view where their rows lie one after another in
+        one buffer (as `engine.gguf_int8` loads a layer's q|k|v and gate|up), else a copy."""
+        values, scales = ([getattr(part, field) for part in parts] for field in ("values", "scales"))
+        return cls(joined(values), joined(scales), lambda: torch.cat([part.dequantize() for part in parts]),
+                   parts[0].dtype)
 
     def rows(self, order: torch.Tensor) -> LoadedWeight:
         """These rows in `order`."""
@@ -75,6 +82,17 @@ class LoadedWeight:
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """``values * scales`` in `dtype`."""
         return self.values.to(dtype) * self.scales.to(dtype)[:, None]
+
+
+def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `tensors` as one tensor: a view of their buffer where each begins where the one
+    before ends, else their concatenation."""
+    first, end = tensors[0], tensors[0].data_ptr()
+    for tensor in tensors:
+        if not tensor.is_contiguous() or tensor.data_ptr() != end:
+            return torch.cat(tensors)
+        end += tensor.numel() * tensor.element_size()
+    return first.as_strided((sum(len(tensor) for tensor in tensors), *first.shape[1:]), first.stride())
 
 
 def return_freed_memory() -> None:
