@@ -136,3 +136,14 @@ def test_greedy_output_equals_the_converted_models(tmp_path, monkeypatch, qtype,
     monkeypatch.setattr(llm, "load_quantized", lambda *args: None)
     assert not models.converted_gguf_dir(path).is_dir()  # the direct load converted nothing
     assert greedy_tokens(path, mode) == direct
+
+
+def test_the_fused_steps_merged_int8_products_are_the_modules_rows(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, gguf.GGMLQuantizationType.Q8_0)
+    runner = LLM(str(path), device="cpu", dtype="bfloat16", quantization="int8-weight",
+                 kv_cache_memory="16MiB").engine.runner
+    for fused, layer in zip(runner.fused.layers, runner.model.model.layers):
+        assert fused.qkv.int8.values.data_ptr() == layer.self_attn.q_proj.values.data_ptr()
+        assert fused.mlp_in.int8.values.data_ptr() == layer.mlp.gate_proj.values.data_ptr()
+        assert torch.equal(fused.qkv.int8.values[-len(layer.self_attn.v_proj.values):], layer.self_attn.v_proj.values)
