@@ -31,8 +31,7 @@ from pathlib import Path
 
 MARK = "@@peer "
 PEER = Path(__file__).resolve().parent.parent / ".peers" / "llama-cpp"
-CACHE_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # bench's dtype -> llama.cpp's K/V cache type
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # bench's dtype -> the converted GGUF's type
+LLAMA_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # bench's dtype -> llama.cpp's name: the widened GGUF's, the K/V's
 STARTUP_S = 300
 
 
@@ -42,7 +41,7 @@ def answer(payload: dict) -> None:
 
 def gguf_path(model_dir: str, dtype: str, weights: str) -> Path:
     """The GGUF setup_peers.sh made for the Hugging Face folder `model_dir`."""
-    suffix = GGUF_TYPES[dtype] if weights == "dtype" else "shipped"
+    suffix = LLAMA_TYPES[dtype] if weights == "dtype" else "shipped"
     path = PEER / "models" / f"{Path(model_dir).name}-{suffix}.gguf"
     if not path.exists():
         sys.exit(f"peer_llama_cpp: no {path}; `bash scripts/setup_peers.sh llama-cpp` makes the default model's GGUFs")
@@ -58,7 +57,7 @@ def free_port() -> int:
 def start_server(gguf: Path, dtype: str, slots: int, slot_context: int, max_batch_tokens: int):
     """(the server process, its base URL), once /health answers 200."""
     port = free_port()
-    cache_type = CACHE_TYPES[dtype]
+    cache_type = LLAMA_TYPES[dtype]
     command = [str(PEER / "bin" / "llama-server"), "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
                "--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--cont-batching",
                "--batch-size", str(max_batch_tokens), "--ubatch-size", str(max_batch_tokens),

@@ -443,15 +443,21 @@ static void silu_mul_row(void *out, const void *gate_up, int width, int is_bf16)
 
 /* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] =
  * round(silu(gate)) * up. */
-void bg_silu_mul(void *out, const void *gate_up, int num_rows, int width, int dtype, int num_threads) {
+typedef void GatedRow(void *out, const void *gate_up, int width, int is_bf16);
+
+/* row(out row r, gate|up row r) for every row r of [num_rows, 2 * width] gate_up, rows in parallel
+ * where the step is large enough. */
+static void each_gated_row(GatedRow *row, void *out, const void *gate_up, int num_rows, int width, int dtype,
+                           int num_threads) {
     int is_bf16 = dtype == DTYPE_BF16;
     int is_parallel = num_threads > 1 && (int64_t)num_rows * width >= MIN_PARALLEL_ELEMENTS;
 #pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
-    for (int r = 0; r < num_rows; r++) {
-        void *out_row = row_at(out, r, width, is_bf16);
-        const void *row = row_at(gate_up, r, 2 * (int64_t)width, is_bf16);
-        silu_mul_row(out_row, row, width, is_bf16);
-    }
+    for (int r = 0; r < num_rows; r++)
+        row(row_at(out, r, width, is_bf16), row_at(gate_up, r, 2 * (int64_t)width, is_bf16), width, is_bf16);
+}
+
+void bg_silu_mul(void *out, const void *gate_up, int num_rows, int width, int dtype, int num_threads) {
+    each_gated_row(silu_mul_row, out, gate_up, num_rows, width, dtype, num_threads);
 }
 
 #ifdef HAS_ROW16
@@ -585,12 +591,7 @@ static void gelu_tanh_mul_row(void *out, const void *gate_up, int width, int is_
 
 /* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] (gelu_tanh_mul_row). */
 void bg_gelu_tanh_mul(void *out, const void *gate_up, int num_rows, int width, int dtype, int num_threads) {
-    int is_bf16 = dtype == DTYPE_BF16;
-    int is_parallel = num_threads > 1 && (int64_t)num_rows * width >= MIN_PARALLEL_ELEMENTS;
-#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
-    for (int r = 0; r < num_rows; r++)
-        gelu_tanh_mul_row(row_at(out, r, width, is_bf16), row_at(gate_up, r, 2 * (int64_t)width, is_bf16), width,
-                          is_bf16);
+    each_gated_row(gelu_tanh_mul_row, out, gate_up, num_rows, width, dtype, num_threads);
 }
 
 /* Columns lo .. hi of bg_moe_combine: pair by pair in order, each product and sum rounded to dtype. */
