@@ -3,12 +3,13 @@
 The family's own router module picks each row's experts and their weights (Qwen3-MoE and
 Mixtral: softmax then top-k, renormalized as the config says; gpt-oss: top-k then softmax), so
 routing is transformers' to the bit. The step's (row, expert) pairs are then sorted by expert
-(stable: rows in order within an expert), and each expert runs its two products once, over all
-its rows of the step, on its packed weights (`cpu_linear`), with the family's activation between
-(SiLU(gate) * up on halves through the fused op, another activation's module, or gpt-oss'
-clamped GLU through its fused op, its interleaved gate and up columns made halves at load). Each
-row's expert outputs, scaled by their router weights, are added into it in expert order, as
-transformers' loop over experts adds them (`decoder_ops.moe_combine`, one pass).
+(stable: rows in order within an expert; `decoder_ops.moe_route`, one pass), and each expert
+runs its two products once, over all its rows of the step, on its packed weights
+(`cpu_linear`), with the family's activation between (SiLU(gate) * up on halves through the
+fused op, another activation's module, or gpt-oss' clamped GLU through its fused op, its
+interleaved gate and up columns made halves at load). Each row's expert outputs, scaled by their router weights, are added up in expert order, as
+transformers' loop over experts adds them into zeros (`decoder_ops.moe_combine`, one pass over
+the rows).
 """
 
 from __future__ import annotations
@@ -71,16 +72,14 @@ class MoeLayer:
         """The layer's output for the first `num_rows` rows of `x` [T, hidden]; its other rows
         (a step's padding) are 0 and reach no expert."""
         _, weights, expert_ids = self.router(x[:num_rows])
-        flat_ids = expert_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        rows = order // expert_ids.shape[1]
-        counts = torch.bincount(flat_ids, minlength=len(self.gate_up)).tolist()
+        route = decoder_ops.moe_route(expert_ids, len(self.gate_up))
         outputs = []
-        for rows_in, gate_up, down in zip(torch.split(x.index_select(0, rows), counts), self.gate_up, self.down):
+        for rows_in, gate_up, down in zip(torch.split(x.index_select(0, route.rows), route.counts), self.gate_up,
+                                          self.down):
             if len(rows_in):
                 outputs.append(self.expert(rows_in, gate_up, down))
-        out = torch.zeros_like(x)
-        decoder_ops.moe_combine(out, torch.cat(outputs), rows, weights.reshape(-1)[order].float())
+        out = torch.empty_like(x)
+        decoder_ops.moe_combine(out, torch.cat(outputs), route, weights.float())
         return out
 
     def expert(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight) -> torch.Tensor:

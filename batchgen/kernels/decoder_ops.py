@@ -31,7 +31,8 @@ _SIGNATURES = {
     "bg_clamped_glu": [_POINTER] * 2 + [_INT, _INT, _FLOAT, _FLOAT, _INT, _INT],
     "bg_gelu_new": [_POINTER] * 2 + [ctypes.c_int64, _INT, _INT],
     "bg_gelu_tanh_mul": [_POINTER] * 2 + [_INT] * 4,
-    "bg_moe_combine": [_POINTER] * 4 + [_INT] * 4,
+    "bg_moe_route": [_POINTER, _INT, _INT, _INT] + [_POINTER] * 3,
+    "bg_moe_combine": [_POINTER] * 4 + [_INT] * 6,
 }
 
 
@@ -141,10 +142,33 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def moe_combine(out: torch.Tensor, expert_rows: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> None:
-    """``out[rows[m]] = round(out[rows[m]] + round(expert_rows[m] * weights[m]))`` for each pair m in
-    order (``out``'s dtype; `rows` int64, `weights` float32): a mixture-of-experts layer's expert
-    outputs, pairs sorted by expert, added as transformers' loop over experts adds them."""
-    hidden = out.shape[-1]
-    _library().bg_moe_combine(out.data_ptr(), expert_rows.data_ptr(), rows.data_ptr(), weights.data_ptr(), len(rows),
-                              hidden, DTYPE_CODES[out.dtype], torch.get_num_threads())
+@dataclass
+class MoeRoute:
+    """A top-k routing's (row, expert) pairs sorted by expert, rows in order within an expert."""
+
+    counts: list[int]  # pairs per expert
+    rows: torch.Tensor  # [pairs] int64: each sorted pair's row
+    positions: torch.Tensor  # [rows, k] int64: each (row, slot)'s place among the sorted pairs
+
+
+def moe_route(expert_ids: torch.Tensor, num_experts: int) -> MoeRoute:
+    """The pairs of `expert_ids` ([rows, k] int64, a row's experts distinct, each below
+    `num_experts`) sorted by expert, as a stable argsort of the flattened ids orders them."""
+    expert_ids = expert_ids.contiguous()
+    num_rows, k = expert_ids.shape
+    counts, rows, positions = torch.empty(num_experts + 2 * num_rows * k, dtype=torch.int64).split(
+        [num_experts, num_rows * k, num_rows * k])
+    _library().bg_moe_route(expert_ids.data_ptr(), num_rows, k, num_experts, counts.data_ptr(), rows.data_ptr(),
+                            positions.data_ptr())
+    return MoeRoute(counts.tolist(), rows, positions.view(num_rows, k))
+
+
+def moe_combine(out: torch.Tensor, expert_rows: torch.Tensor, route: MoeRoute, weights: torch.Tensor) -> None:
+    """Row r of `out` = the sum over its pairs j, in expert order from 0, of
+    ``round(expert_rows[route.positions[r, j]] * weights[r, j])``, each sum rounded to ``out``'s
+    dtype, as transformers' loop over experts multiplies then index_adds into zeros; `out`'s rows
+    past `route`'s are 0. `weights`: [rows, k] float32, the router's weights of each (row, slot)."""
+    num_rows, k = route.positions.shape
+    _library().bg_moe_combine(out.data_ptr(), expert_rows.data_ptr(), route.positions.data_ptr(),
+                              weights.contiguous().data_ptr(), num_rows, k, len(out), out.shape[-1],
+                              DTYPE_CODES[out.dtype], torch.get_num_threads())

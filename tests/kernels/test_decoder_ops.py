@@ -212,23 +212,34 @@ def test_clamped_glu_equals_gpt_oss_expert_activation(ops, dtype, num_rows):
     assert_close(decoder_ops.clamped_glu(halves, experts.alpha, experts.limit), experts._apply_gate(interleaved))
 
 
+@pytest.mark.parametrize("num_rows", [3, 100])
+def test_moe_route_orders_pairs_as_a_stable_argsort(ops, num_rows):
+    c_ops_only(ops)
+    expert_ids = torch.rand(num_rows, 5, generator=torch.Generator().manual_seed(14)).topk(3).indices
+    route = decoder_ops.moe_route(expert_ids, 6)
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    assert route.counts == torch.bincount(expert_ids.reshape(-1), minlength=6).tolist()
+    assert torch.equal(route.rows, order // 3)
+    assert torch.equal(route.positions.reshape(-1)[order], torch.arange(num_rows * 3))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows", [3, 100])
 def test_moe_combine_adds_expert_outputs_as_transformers_loop_over_experts(ops, dtype, num_rows):
     c_ops_only(ops)
-    num_experts, hidden = 4, 80
+    num_experts, hidden, padding = 4, 80, 5
     expert_ids = torch.rand(num_rows, num_experts, generator=torch.Generator().manual_seed(15)).topk(2).indices
     weights = torch.rand(num_rows, 2, generator=torch.Generator().manual_seed(16)).to(dtype)
+    route = decoder_ops.moe_route(expert_ids, num_experts)
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    rows = order // 2
-    expert_rows = randn(len(rows), hidden, dtype=dtype, seed=17)
-    out = torch.zeros(num_rows, hidden, dtype=dtype)
-    decoder_ops.moe_combine(out, expert_rows, rows, weights.reshape(-1)[order].float())
+    expert_rows = randn(len(order), hidden, dtype=dtype, seed=17)
+    out = torch.full((num_rows + padding, hidden), float("nan"), dtype=dtype)
+    decoder_ops.moe_combine(out, expert_rows, route, weights.float())
     expected = torch.zeros_like(out)
     for expert in range(num_experts):  # transformers' loop: each expert's rows scaled, then index_add_
         pairs = flat_ids[order] == expert
-        expected.index_add_(0, rows[pairs], expert_rows[pairs] * weights.reshape(-1)[order][pairs, None])
+        expected.index_add_(0, route.rows[pairs], expert_rows[pairs] * weights.reshape(-1)[order][pairs, None])
     assert torch.equal(out, expected)
 
 

@@ -18,7 +18,9 @@
  *                    expert activation, for a gate|up row
  *   bg_gelu_new      GPT-2's tanh GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
  *   bg_gelu_tanh_mul out = gelu_tanh(gate) * up for a fused gate|up row (Gemma's MLP)
- *   bg_moe_combine   out[rows[m]] += y[m] * weights[m] for each (row, expert) pair m in order: a
+ *   bg_moe_route     a top-k routing's (row, expert) pairs sorted by expert: each pair's row and
+ *                    each (row, slot)'s place in that order, and the pairs per expert
+ *   bg_moe_combine   out[r] = sum over r's pairs, in expert order, of y[pair] * weight: a
  *                    mixture-of-experts layer's expert outputs added into their rows
  *
  * Rows are split over `num_threads` OpenMP threads only when a call holds at least
@@ -594,38 +596,56 @@ void bg_gelu_tanh_mul(void *out, const void *gate_up, int num_rows, int width, i
     each_gated_row(gelu_tanh_mul_row, out, gate_up, num_rows, width, dtype, num_threads);
 }
 
-/* Columns lo .. hi of bg_moe_combine: pair by pair in order, each product and sum rounded to dtype. */
-static void moe_combine_columns(void *out, const void *y, const int64_t *rows, const float *weights, int num_pairs,
-                                int hidden, int lo, int hi, int is_bf16) {
-    for (int m = 0; m < num_pairs; m++) {
-        float weight = weights[m];
-        if (is_bf16) {
-            uint16_t *o = (uint16_t *)row_at(out, rows[m], hidden, is_bf16);
-            const uint16_t *source = (const uint16_t *)row_at(y, m, hidden, is_bf16);
-            for (int i = lo; i < hi; i++)
-                o[i] = float_to_bf16(bf16_to_float(o[i]) + round_to(bf16_to_float(source[i]) * weight, 1));
-        } else {
-            float *o = (float *)row_at(out, rows[m], hidden, is_bf16);
-            const float *source = (const float *)row_at(y, m, hidden, is_bf16);
-            for (int i = lo; i < hi; i++) o[i] = o[i] + source[i] * weight;
-        }
+/* expert_ids: [num_rows, k] int64, each below num_experts, a row's k distinct. The pairs (r, j)
+ * sorted by expert, rows in order within an expert (a stable counting sort, as a stable argsort
+ * of the flattened ids): counts[e] = the pairs of expert e; pair_rows[m] = the row of the m-th
+ * pair in that order; positions[r * k + j] = m of pair (r, j). */
+void bg_moe_route(const int64_t *expert_ids, int num_rows, int k, int num_experts, int64_t *counts,
+                  int64_t *pair_rows, int64_t *positions) {
+    int num_pairs = num_rows * k;
+    int64_t next[num_experts];
+    memset(counts, 0, sizeof(int64_t) * (size_t)num_experts);
+    for (int p = 0; p < num_pairs; p++) counts[expert_ids[p]]++;
+    for (int e = 0, start = 0; e < num_experts; start += (int)counts[e], e++) next[e] = start;
+    for (int p = 0; p < num_pairs; p++) {
+        int64_t m = next[expert_ids[p]]++;
+        pair_rows[m] = p / k;
+        positions[p] = m;
     }
 }
 
-/* y: [num_pairs, hidden] (expert outputs, pairs sorted by expert); rows: [num_pairs] int64 (each
- * pair's row of out); weights: [num_pairs] float32. For m = 0 .. num_pairs - 1 in order:
- * out[rows[m]] = round(out[rows[m]] + round(y[m] * weights[m])), as transformers' loop over
- * experts multiplies then index_adds. Threads split the columns, so each row's sums keep the
- * pairs' order. */
-void bg_moe_combine(void *out, const void *y, const int64_t *rows, const float *weights, int num_pairs, int hidden,
-                    int dtype, int num_threads) {
-    int is_bf16 = dtype == DTYPE_BF16;
-    int is_parallel = num_threads > 1 && (int64_t)num_pairs * hidden >= MIN_PARALLEL_ELEMENTS;
-    int num_parts = is_parallel ? num_threads : 1;
-    int part_width = (hidden / num_parts + 15) / 16 * 16;
-#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
-    for (int part = 0; part < num_parts; part++) {
-        int lo = part * part_width, hi = lo + part_width < hidden ? lo + part_width : hidden;
-        if (lo < hi) moe_combine_columns(out, y, rows, weights, num_pairs, hidden, lo, hi, is_bf16);
+/* One row of bg_moe_combine: its k pairs' outputs (y rows `positions`, times `weights`) added in
+ * ascending position (expert order) from 0, each product and sum rounded to dtype. */
+static void moe_combine_row(void *out_row, const void *y, const int64_t *positions, const float *weights, int k,
+                            int hidden, int is_bf16) {
+    int order[k];
+    for (int j = 0; j < k; j++) {  /* insertion sort of the row's slots by position */
+        int i = j;
+        for (; i > 0 && positions[order[i - 1]] > positions[j]; i--) order[i] = order[i - 1];
+        order[i] = j;
     }
+    float sum[hidden], buf[hidden];
+    for (int i = 0; i < hidden; i++) sum[i] = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const float *source = as_float(row_at(y, positions[order[j]], hidden, is_bf16), buf, hidden, is_bf16);
+        float weight = weights[order[j]];
+        for (int i = 0; i < hidden; i++) sum[i] = round_to(sum[i] + round_to(source[i] * weight, is_bf16), is_bf16);
+    }
+    store_row(out_row, sum, hidden, is_bf16);
+}
+
+/* y: [num_pairs, hidden] (expert outputs, pairs sorted by expert); positions: [num_rows, k] int64
+ * (`bg_moe_route`'s: each (row, slot)'s pair); weights: [num_rows, k] float32. Row r < num_rows
+ * of out [out_rows, hidden] = the sum of round(y[positions[r, j]] * weights[r, j]) over j, added
+ * in expert order from 0 and rounded at each step, as transformers' loop over experts multiplies
+ * then index_adds into zeros; rows from num_rows on are 0. Threads split the rows. */
+void bg_moe_combine(void *out, const void *y, const int64_t *positions, const float *weights, int num_rows, int k,
+                    int out_rows, int hidden, int dtype, int num_threads) {
+    int is_bf16 = dtype == DTYPE_BF16;
+    int is_parallel = num_threads > 1 && (int64_t)num_rows * k * hidden >= MIN_PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(num_threads) if (is_parallel) schedule(static)
+    for (int r = 0; r < num_rows; r++)
+        moe_combine_row(row_at(out, r, hidden, is_bf16), y, positions + (int64_t)r * k, weights + (int64_t)r * k, k,
+                        hidden, is_bf16);
+    memset(row_at(out, num_rows, hidden, is_bf16), 0, (size_t)(out_rows - num_rows) * hidden * (is_bf16 ? 2 : 4));
 }
