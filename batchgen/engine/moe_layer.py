@@ -24,7 +24,8 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from batchgen.kernels import decoder_ops
-from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
+from batchgen.kernels.cpu_linear import (PackedGroup, PackedWeight, bucketed, grouped_linear, pack_weights,
+                                         packed_linear, row_bucket)
 
 
 @dataclass
@@ -67,20 +68,29 @@ class MoeLayer:
         self.gate_up = [pack_weights([w], [b], quantization) for w, b in weights.gate_up]
         self.down = [pack_weights([w], [b], quantization) for w, b in weights.down]
         self.row_bucket = row_bucket(self.gate_up + self.down)
+        self.grouped_gate_up, self.grouped_down = PackedGroup.of(self.gate_up), PackedGroup.of(self.down)
 
     def forward(self, x: torch.Tensor, num_rows: int) -> torch.Tensor:
         """The layer's output for the first `num_rows` rows of `x` [T, hidden]; its other rows
         (a step's padding) are 0 and reach no expert."""
         _, weights, expert_ids = self.router(x[:num_rows])
         route = decoder_ops.moe_route(expert_ids, len(self.gate_up))
-        outputs = []
-        for rows_in, gate_up, down in zip(torch.split(x.index_select(0, route.rows), route.counts), self.gate_up,
-                                          self.down):
-            if len(rows_in):
-                outputs.append(self.expert(rows_in, gate_up, down))
+        rows_in = x.index_select(0, route.rows)
+        if self.is_grouped(route):
+            hidden = grouped_linear(rows_in, route.counts_tensor, self.grouped_gate_up)
+            expert_rows = grouped_linear(self.activate(hidden), route.counts_tensor, self.grouped_down)
+        else:
+            expert_rows = torch.cat([self.expert(rows, gate_up, down) for rows, gate_up, down
+                                     in zip(torch.split(rows_in, route.counts), self.gate_up, self.down) if len(rows)])
         out = torch.empty_like(x)
-        decoder_ops.moe_combine(out, torch.cat(outputs), route, weights.float())
+        decoder_ops.moe_combine(out, expert_rows, route, weights.float())
         return out
+
+    def is_grouped(self, route: decoder_ops.MoeRoute) -> bool:
+        """Whether every expert's products of this step run on the bf16 kernel, as one call per
+        product for all the experts (each expert's rows as its own product computes them)."""
+        return (self.grouped_gate_up is not None and self.grouped_down is not None
+                and max(route.counts) <= min(self.grouped_gate_up.kernel_rows, self.grouped_down.kernel_rows))
 
     def expert(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight) -> torch.Tensor:
         """One expert's output for its rows `x`; rows padded to a `bucketed` count only where
@@ -88,10 +98,12 @@ class MoeLayer:
         num_rows = len(x)
         if num_rows > min(gate_up.kernel_rows, down.kernel_rows):
             x = F.pad(x, (0, 0, 0, bucketed(num_rows, self.row_bucket) - num_rows))
-        hidden = packed_linear(x, gate_up)
-        if self.activation is None:
-            activated = hidden.new_empty((len(hidden), hidden.shape[1] // 2))
-            decoder_ops.silu_mul(activated, hidden)
-        else:
-            activated = self.activation(hidden)
-        return packed_linear(activated, down)[:num_rows]
+        return packed_linear(self.activate(packed_linear(x, gate_up)), down)[:num_rows]
+
+    def activate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The family's activation of gate|up rows `hidden`, row by row."""
+        if self.activation is not None:
+            return self.activation(hidden)
+        activated = hidden.new_empty((len(hidden), hidden.shape[1] // 2))
+        decoder_ops.silu_mul(activated, hidden)
+        return activated

@@ -12,6 +12,7 @@ Invariants:
 - `pack` copies a [n, k] weight (k even) into the kernel's panel layout once; both paths read it.
 - `linear` equals ``F.linear`` on the same bf16 inputs up to the order of the float32 sums:
   each product of two bf16 values is exact in float32, the sum is rounded to bf16 once.
+  `linear_groups` computes each group's rows exactly as `linear` computes them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     library.bg_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.bg_bf16_linear.restype = None
+    library.bg_bf16_linear_groups.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                              ctypes.c_int]
+    library.bg_bf16_linear_groups.restype = None
     library.bg_bf16_gemm_max_rows.restype = ctypes.c_int64
     return library
 
@@ -84,4 +89,19 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
         _library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
                                   None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
                                   torch.get_num_threads())
+    return out
+
+
+def linear_groups(x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, biases: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """`linear` of consecutive row groups of a 2-D bf16 `x`, in one call: group g (`counts[g]`
+    rows, int64, 0 or more, summing to len(x)) through the g-th packed weight and bias.
+    `weights`: int64 data pointers of the ``pack``ed weights (each of `out_features` outputs and
+    x's inputs), kept alive by the caller; `biases`: those of their biases, or None for none."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0], out_features))
+    with profiler_span(BF16_LINEAR_SPAN):
+        _library().bg_bf16_linear_groups(x.data_ptr(), counts.data_ptr(), len(counts), x.shape[1], weights.data_ptr(),
+                                         None if biases is None else biases.data_ptr(), out_features, out.data_ptr(),
+                                         torch.get_num_threads())
     return out

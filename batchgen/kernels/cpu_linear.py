@@ -107,6 +107,35 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")
 
 
+@dataclass(frozen=True)
+class PackedGroup:
+    """Weights of one shape, each packed for `bf16_gemm` (`PackedWeight.panels`), whose products
+    over consecutive row groups run as one call (`grouped_linear`); holds the weights."""
+
+    weights: list[PackedWeight]
+    pointers: torch.Tensor  # [G] int64: each weight's panels' data pointer
+    bias_pointers: torch.Tensor | None  # [G] int64: each bias's; None where no weight has one
+    kernel_rows: int  # the most rows a group may have
+
+    @classmethod
+    def of(cls, weights: list[PackedWeight]) -> PackedGroup | None:
+        """The group of `weights`, or None unless every one runs on the bf16 kernel and all or none
+        have a bias."""
+        has_bias = {weight.bias is not None for weight in weights}
+        if any(weight.panels is None for weight in weights) or len(has_bias) > 1:
+            return None
+        pointers = torch.tensor([weight.panels.data_ptr() for weight in weights], dtype=torch.int64)
+        bias_pointers = torch.tensor([weight.bias.data_ptr() for weight in weights],
+                                     dtype=torch.int64) if has_bias == {True} else None
+        return cls(weights, pointers, bias_pointers, min(weight.kernel_rows for weight in weights))
+
+
+def grouped_linear(x: torch.Tensor, counts: torch.Tensor, group: PackedGroup) -> torch.Tensor:
+    """Rows of `x` in consecutive groups (`counts[g]` rows, int64, each at most
+    `group.kernel_rows`), group g through ``group.weights[g]``: as `packed_linear` of each group."""
+    return bf16_gemm.linear_groups(x, counts, group.pointers, group.bias_pointers, group.weights[0].out_features)
+
+
 class PackedLinears:
     """A model's linear layers with oneDNN-packed copies of their weights."""
 

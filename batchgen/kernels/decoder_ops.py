@@ -147,6 +147,7 @@ class MoeRoute:
     """A top-k routing's (row, expert) pairs sorted by expert, rows in order within an expert."""
 
     counts: list[int]  # pairs per expert
+    counts_tensor: torch.Tensor  # [experts] int64: the same, for C calls
     rows: torch.Tensor  # [pairs] int64: each sorted pair's row
     positions: torch.Tensor  # [rows, k] int64: each (row, slot)'s place among the sorted pairs
 
@@ -160,7 +161,7 @@ def moe_route(expert_ids: torch.Tensor, num_experts: int) -> MoeRoute:
         [num_experts, num_rows * k, num_rows * k])
     _library().bg_moe_route(expert_ids.data_ptr(), num_rows, k, num_experts, counts.data_ptr(), rows.data_ptr(),
                             positions.data_ptr())
-    return MoeRoute(counts.tolist(), rows, positions.view(num_rows, k))
+    return MoeRoute(counts.tolist(), counts, rows, positions.view(num_rows, k))
 
 
 def moe_combine(out: torch.Tensor, expert_rows: torch.Tensor, route: MoeRoute, weights: torch.Tensor) -> None:

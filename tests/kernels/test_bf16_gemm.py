@@ -75,6 +75,23 @@ def test_bias_is_added_before_rounding_and_non_contiguous_input_is_read_right():
     assert_rounded_once(got, x, weight, bias)
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 17, 40], [0, 0, 1, 0], [33, 1]])
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_groups_computes_each_group_as_linear(counts, has_bias, threads):
+    weights = [random_bf16(100, 64, seed=g) for g in range(len(counts))]
+    biases = [random_bf16(100, seed=10 + g) if has_bias else None for g in range(len(counts))]
+    packed = [bf16_gemm.pack(weight) for weight in weights]
+    x = random_bf16(sum(counts), 64, seed=20)
+    bias_pointers = torch.tensor([bias.data_ptr() for bias in biases]) if has_bias else None
+    with torch_threads(threads):
+        got = bf16_gemm.linear_groups(x, torch.tensor(counts), torch.tensor([w.data_ptr() for w in packed]),
+                                      bias_pointers, 100)
+        expected = [bf16_gemm.linear(rows, panels, bias, 100)
+                    for rows, panels, bias in zip(torch.split(x, counts), packed, biases)]
+    assert torch.equal(got, torch.cat(expected))
+
+
 def test_the_amx_path_takes_inputs_in_multiples_of_32_and_leaves_large_products_to_onednn(build):
     is_amx = build is AMX_BUILD
     assert [bf16_gemm.takes(k) for k in (2, 578, 64)] == [not is_amx, not is_amx, True]

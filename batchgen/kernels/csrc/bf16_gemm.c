@@ -10,6 +10,8 @@
  *                                AMX path)
  *   bg_bf16_linear               out[m, n] = bf16(x[m, k] @ w.T + bias): float32 sums of exact
  *                                bf16 products, rounded to nearest even once, as torch's GEMM does
+ *   bg_bf16_linear_groups        the same for consecutive row groups of x, each group through its
+ *                                own weight (a mixture of experts' products), in one parallel region
  *
  * Weight layout (`bf16_gemm.pack`): panel p holds output columns [Pp, Pp + P) (P =
  * PANEL_COLUMNS), zero past n; within it, for each input pair (2i, 2i + 1), the P columns'
@@ -247,6 +249,26 @@ void bg_bf16_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wei
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
         panel_range(x, m, k, weight, bias, n, out, panels * thread / team, panels * (thread + 1) / team);
+    }
+}
+
+/* Consecutive row groups of x [m, k]: group g, counts[g] rows (0 or more) after the groups before
+ * it, through weights[g] (packed as above, n columns) and biases[g] (or biases NULL) into the same
+ * rows of out [m, n]: each group's rows as bg_bf16_linear computes them, every thread owning the
+ * same panel range of each group's weight. */
+void bg_bf16_linear_groups(const uint16_t *x, const int64_t *counts, int num_groups, int64_t k,
+                           const uint16_t *const *weights, const uint16_t *const *biases, int64_t n, uint16_t *out,
+                           int num_threads) {
+    int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+    if (num_threads > panels) num_threads = (int)panels;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t thread = omp_get_thread_num(), team = omp_get_num_threads(), row = 0;
+        for (int g = 0; g < num_groups; row += counts[g], g++)
+            if (counts[g] > 0)
+                panel_range(x + row * k, counts[g], k, weights[g], biases ? biases[g] : 0, n, out + row * n,
+                            panels * thread / team, panels * (thread + 1) / team);
     }
 }
 
