@@ -1,15 +1,18 @@
 """A mixture-of-experts MLP in the fused step, its expert products grouped per step.
 
-The family's own router module picks each row's experts and their weights (Qwen3-MoE and
-Mixtral: softmax then top-k, renormalized as the config says; gpt-oss: top-k then softmax), so
-routing is transformers' to the bit. The step's (row, expert) pairs are then sorted by expert
-(stable: rows in order within an expert; `decoder_ops.moe_route`, one pass), and each expert
-runs its two products once, over all its rows of the step, on its packed weights
-(`cpu_linear`), with the family's activation between (SiLU(gate) * up on halves through the
-fused op, another activation's module, or gpt-oss' clamped GLU through its fused op, its
-interleaved gate and up columns made halves at load). Each row's expert outputs, scaled by their router weights, are added up in expert order, as
-transformers' loop over experts adds them into zeros (`decoder_ops.moe_combine`, one pass over
-the rows).
+The router's product runs packed, as the step's other products (`cpu_linear`); the family's
+routing then picks each row's experts and their weights from those logits with transformers'
+own ops (`moe_routing`: Qwen3-MoE and Mixtral: softmax then top-k, renormalized as the config
+says; gpt-oss: top-k then softmax), so equal logits route as the family's router module. The
+step's (row, expert) pairs are then sorted by expert (stable: rows in order within an expert;
+`decoder_ops.moe_route`, one pass). Each expert runs its two products once, over all its rows
+of the step, on its packed weights, with the family's activation between (SiLU(gate) * up on
+halves through the fused op, another activation's module, or gpt-oss' clamped GLU through its
+fused op, its interleaved gate and up columns made halves at load); where every expert's
+products run on the bf16 kernel, each product is one call for all the experts
+(`cpu_linear.grouped_linear`) and the activation one pass over all the pairs. Each row's expert
+outputs, scaled by their router weights, are added up in expert order, as transformers' loop
+over experts adds them into zeros (`decoder_ops.moe_combine`, one pass over the rows).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from batchgen.engine.moe_routing import Routing, routing_of
 from batchgen.kernels import decoder_ops
 from batchgen.kernels.cpu_linear import (PackedGroup, PackedWeight, bucketed, grouped_linear, pack_weights,
                                          packed_linear, row_bucket)
@@ -33,7 +37,8 @@ class MoeWeights:
     """A MoE block as the model holds it: per expert, weight [out, in] and bias (or None) of
     each product."""
 
-    router: nn.Module  # rows -> (logits, weights [rows, k], expert ids [rows, k])
+    router: tuple[torch.Tensor, torch.Tensor | None]  # the router's weight [experts, in] and bias (or None)
+    routing: Routing  # router logits -> (weights [rows, k], expert ids [rows, k])
     gate_up: list[tuple[torch.Tensor, torch.Tensor | None]]
     down: list[tuple[torch.Tensor, torch.Tensor | None]]
     activation: Callable[[torch.Tensor], torch.Tensor] | None  # gate_up rows -> rows; None: SiLU(gate) * up
@@ -49,31 +54,38 @@ class MoeWeights:
             gate_up = [(w.t()[halves], b[halves])
                        for w, b in zip(experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach())]
             down = [(w.t().contiguous(), b) for w, b in zip(experts.down_proj.detach(), experts.down_proj_bias.detach())]
-            return cls(block.router, gate_up, down,
+            return cls(router_product(block.router), routing_of(block.router), gate_up, down,
                        functools.partial(decoder_ops.clamped_glu, alpha=experts.alpha, limit=experts.limit))
         act = experts.act_fn
         width = experts.gate_up_proj.shape[1] // 2
         activation = None if isinstance(act, SiLUActivation) else (
             lambda gate_up: act(gate_up[:, :width]) * gate_up[:, width:])
-        return cls(block.gate, [(w, None) for w in experts.gate_up_proj.detach()],
+        return cls(router_product(block.gate), routing_of(block.gate), [(w, None) for w in experts.gate_up_proj.detach()],
                    [(w, None) for w in experts.down_proj.detach()], activation)
+
+
+def router_product(router: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A router module's weight and bias (None where it has none)."""
+    bias = getattr(router, "bias", None)
+    return router.weight.detach(), None if bias is None else bias.detach()
 
 
 class MoeLayer:
     """`MoeWeights` with every expert's products packed; `forward` runs a step's rows."""
 
     def __init__(self, weights: MoeWeights, quantization: str = "none"):
-        self.router = weights.router
+        self.router = pack_weights([weights.router[0]], [weights.router[1]])
+        self.routing = weights.routing
         self.activation = weights.activation
         self.gate_up = [pack_weights([w], [b], quantization) for w, b in weights.gate_up]
         self.down = [pack_weights([w], [b], quantization) for w, b in weights.down]
-        self.row_bucket = row_bucket(self.gate_up + self.down)
+        self.row_bucket = row_bucket([self.router] + self.gate_up + self.down)
         self.grouped_gate_up, self.grouped_down = PackedGroup.of(self.gate_up), PackedGroup.of(self.down)
 
     def forward(self, x: torch.Tensor, num_rows: int) -> torch.Tensor:
         """The layer's output for the first `num_rows` rows of `x` [T, hidden]; its other rows
         (a step's padding) are 0 and reach no expert."""
-        _, weights, expert_ids = self.router(x[:num_rows])
+        weights, expert_ids = self.routing(packed_linear(x, self.router)[:num_rows])
         route = decoder_ops.moe_route(expert_ids, len(self.gate_up))
         rows_in = x.index_select(0, route.rows)
         if self.is_grouped(route):

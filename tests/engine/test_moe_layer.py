@@ -8,6 +8,7 @@ import transformers
 
 from batchgen.engine.moe_layer import MoeLayer, MoeWeights
 from batchgen.kernels import bf16_gemm, decoder_ops
+from batchgen.kernels.cpu_linear import packed_linear
 
 pytestmark = pytest.mark.skipif(not (bf16_gemm.is_available() and decoder_ops.is_available()),
                                 reason="no C compiler or no AVX512-BF16")
@@ -31,7 +32,7 @@ def test_grouped_experts_equal_one_product_per_expert(family, num_rows, monkeypa
         torch.nn.init.normal_(parameter, std=0.2)
     layer = MoeLayer(MoeWeights.of(block))
     x = torch.randn(num_rows + 5, 64).bfloat16()  # 5 padding rows
-    route = decoder_ops.moe_route(layer.router(x[:num_rows])[2], 4)
+    route = decoder_ops.moe_route(layer.routing(packed_linear(x, layer.router)[:num_rows])[1], 4)
     assert layer.is_grouped(route)
     grouped = layer.forward(x, num_rows)
     monkeypatch.setattr(layer, "is_grouped", lambda route: False)
