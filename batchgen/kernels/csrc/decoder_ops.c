@@ -614,16 +614,40 @@ void bg_moe_route(const int64_t *expert_ids, int num_rows, int k, int num_expert
     }
 }
 
-/* One row of bg_moe_combine: its k pairs' outputs (y rows `positions`, times `weights`) added in
- * ascending position (expert order) from 0, each product and sum rounded to dtype. */
-static void moe_combine_row(void *out_row, const void *y, const int64_t *positions, const float *weights, int k,
-                            int hidden, int is_bf16) {
-    int order[k];
-    for (int j = 0; j < k; j++) {  /* insertion sort of the row's slots by position */
+/* order = the row's k slots by ascending position (expert order): an insertion sort. */
+static void expert_order(const int64_t *positions, int k, int *order) {
+    for (int j = 0; j < k; j++) {
         int i = j;
         for (; i > 0 && positions[order[i - 1]] > positions[j]; i--) order[i] = order[i - 1];
         order[i] = j;
     }
+}
+
+#ifdef HAS_ROW16
+/* One row of bg_moe_combine: its k pairs' outputs (y rows `positions`, times `weights`) added in
+ * expert order from 0, each product and sum rounded to dtype, on 16 lanes: the portable loop's
+ * operations and roundings. */
+static void moe_combine_row(void *out_row, const void *y, const int64_t *positions, const float *weights, int k,
+                            int hidden, int is_bf16) {
+    int order[k];
+    expert_order(positions, k, order);
+    for (int i = 0; i < hidden; i += 16) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < k; j++) {
+            __m512 source = load16(row_at(y, positions[order[j]], hidden, is_bf16), i, hidden, is_bf16);
+            __m512 scaled = round16(_mm512_mul_ps(source, _mm512_set1_ps(weights[order[j]])), is_bf16);
+            sum = round16(_mm512_add_ps(sum, scaled), is_bf16);
+        }
+        store16(out_row, i, hidden, sum, is_bf16);
+    }
+}
+#else
+/* One row of bg_moe_combine: its k pairs' outputs (y rows `positions`, times `weights`) added in
+ * expert order from 0, each product and sum rounded to dtype. */
+static void moe_combine_row(void *out_row, const void *y, const int64_t *positions, const float *weights, int k,
+                            int hidden, int is_bf16) {
+    int order[k];
+    expert_order(positions, k, order);
     float sum[hidden], buf[hidden];
     for (int i = 0; i < hidden; i++) sum[i] = 0.0f;
     for (int j = 0; j < k; j++) {
@@ -633,6 +657,7 @@ static void moe_combine_row(void *out_row, const void *y, const int64_t *positio
     }
     store_row(out_row, sum, hidden, is_bf16);
 }
+#endif
 
 /* y: [num_pairs, hidden] (expert outputs, pairs sorted by expert); positions: [num_rows, k] int64
  * (`bg_moe_route`'s: each (row, slot)'s pair); weights: [num_rows, k] float32. Row r < num_rows
