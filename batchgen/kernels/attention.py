@@ -32,7 +32,7 @@ float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16
 head_dim 64, both kinds go through the AMX kernels (`amx_attention`), decode rows through the
 vector kernel's cascade where the AMX one does not apply; there, in bfloat16, a windowed layer's
 prefill runs on flash SDPA in bands (`window_bands`) before the C kernel. Over an int8 pool (`kv_int8`) decode
-rows run on `kv_int8`'s C kernel, which dequantizes the rows as it reads them; prefill chunks (and
+rows run on `kv_int8`'s C kernel, which computes on the int8 rows as stored; prefill chunks (and
 decode rows where that kernel does not run) gather the rows and dequantize them for SDPA.
 """
 

@@ -18,6 +18,7 @@ class Status(IntEnum):
     UNSUPPORTED = 3
     NO_MEMORY = 4
     BAD_GROUP = 5
+    BAD_SLOT = 6
 
 
 MESSAGES = {
@@ -27,6 +28,7 @@ MESSAGES = {
     Status.NO_MEMORY: "the kernel could not allocate its scratch memory",
     Status.BAD_GROUP: "a shared-prefix group is out of order or range, has one member, is not shorter than a "
                       "member's context (or a chunk's first query), or its members do not hold the same prefix blocks",
+    Status.BAD_SLOT: "a slot is outside the pool",
 }
 
 

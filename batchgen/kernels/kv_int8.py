@@ -13,10 +13,13 @@ Invariants:
   values satisfy ``|values| <= 127``.
 - `readable` gives a gathered cache's rows as the dtype the attention computes in: a float
   cache's as they are, an int8 cache's dequantized (float32 products, then rounded to `dtype`).
+- `store` writes the rows `quantize` gives (in C for bf16 rows where the kernels run).
 - `paged_decode_attention` follows `attention_kernel`'s contract over an int8 pool (bf16
   queries, C on AVX-512 with AVX512-VNNI and AVX512-BF16): the attention of the dequantized
-  rows for the scaled queries quantized as `quantize` does (exact int8 dot products), up to the
-  order of float32 sums; it returns False, writing nothing, where it does not run.
+  rows for the scaled queries quantized as `quantize` does (exact int8 dot products), each
+  block's softmax weights (times their value rows' scales) rounded to 8 bits against the
+  block's largest (int8 products again), up to the order of float32 sums; it returns False,
+  writing nothing, where it does not run.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
           slot_mapping: torch.Tensor) -> None:
     """The new tokens' K/V ([T, Hkv, head_dim]) at their slots, quantized into an int8 cache."""
     if is_int8(k_cache):
+        if _store_in_c(k, v, k_cache, v_cache, slot_mapping):
+            return
         k, v = quantize(k), quantize(v)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -88,7 +93,29 @@ def _library() -> ctypes.CDLL | None:
         return None
     library.bg_kv_int8_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float,
                                                                                                   ctypes.c_int]
+    library.bg_kv_int8_store.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                                         + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int])
     return library
+
+
+def _rows_of_heads(x: torch.Tensor) -> bool:
+    """Whether `x` ([T, Hkv, head_dim]) is bf16 on the CPU with each token's heads contiguous."""
+    return x.dtype == torch.bfloat16 and x.is_cpu and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _store_in_c(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> bool:
+    """`store` into an int8 cache by the C kernel (the same rows `quantize` gives); False, writing
+    nothing, where it does not run."""
+    library = _library()
+    if (library is None or not (_rows_of_heads(k) and _rows_of_heads(v)) or slot_mapping.dtype != torch.int64
+            or not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache, slot_mapping))):
+        return False
+    status = library.bg_kv_int8_store(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot_mapping.data_ptr(), len(slot_mapping), k.shape[1], k.shape[2], k_cache.shape[0] * k_cache.shape[1],
+        torch.get_num_threads())
+    return check_status("kv_int8 store", status)
 
 
 def is_available() -> bool:

@@ -63,8 +63,11 @@ def test_attention_over_an_int8_pool_is_attention_over_its_dequantized_rows(back
     assert (got.float() - expected.float()).abs().max() < (got.float() - unquantized.float()).abs().max()
 
 
-def test_store_quantizes_new_rows_into_their_slots():
-    k, v = torch.randn(3, 2, 64).bfloat16(), torch.randn(3, 2, 64).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_quantizes_new_rows_into_their_slots(dtype):
+    # K and V as the fused step holds them: views of one row of q, k and v, rows of every magnitude
+    qkv = (torch.randn(3, 6 * 64) * torch.tensor([1e-3, 1.0, 40.0])[:, None]).to(dtype)
+    k, v = qkv[:, 2 * 64:4 * 64].view(3, 2, 64), qkv[:, 4 * 64:].view(3, 2, 64)
     k_cache, v_cache = torch.zeros(4, 16, 2, 68, dtype=torch.int8), torch.zeros(4, 16, 2, 68, dtype=torch.int8)
     kv_int8.store(k, v, k_cache, v_cache, torch.tensor([17, 0, 63]))
     assert torch.equal(k_cache.view(-1, 2, 68)[[17, 0, 63]], kv_int8.quantize(k))
@@ -75,13 +78,24 @@ def test_store_quantizes_new_rows_into_their_slots():
 needs_kernel = pytest.mark.skipif(not kv_int8.is_available(), reason="no C compiler, AVX512-VNNI or AVX512-BF16")
 
 
+def weight_rounding_bound(p: torch.Tensor, value_rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The most the kernel's 8-bit weights move one head's output ([head_dim]): each weight (its
+    softmax `p` [n] times its value row's scale) is off by at most half of 1/255 of its block's
+    largest, and moves the output by that times its row's int8 values ([n, head_dim + 4])."""
+    values = value_rows[:, :-kv_int8.SCALE_BYTES].double().abs()
+    weights = p * value_rows[:, -kv_int8.SCALE_BYTES:].contiguous().view(torch.float32)[:, 0].double()
+    bound = torch.zeros(values.shape[1], dtype=torch.float64)
+    for start in range(0, len(p), block_size):
+        bound += weights[start:start + block_size].max() / 510 * values[start:start + block_size].sum(dim=0)
+    return bound
+
+
 @needs_kernel
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 128, 32),
-                                                                           (8, 1, 32, 8)])
+                                                                           (8, 1, 32, 8), (12, 4, 80, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_kernel_is_the_attention_of_the_dequantized_rows(num_heads, num_kv_heads, head_dim, block_size,
-                                                                 threads):
-    from batchgen.kernels.attention import gather_decode
+def test_decode_kernel_is_the_attention_of_the_dequantized_rows_with_8_bit_weights(num_heads, num_kv_heads, head_dim,
+                                                                                   block_size, threads):
     from batchgen.kernels.attention_kernel import PagedSeqs
     from tests.conftest import torch_threads
 
@@ -90,20 +104,28 @@ def test_decode_kernel_is_the_attention_of_the_dequantized_rows(num_heads, num_k
     pool = kv_int8.quantize(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator) * 3)
     tables = torch.randperm(num_blocks, generator=generator)[:35].view(5, 7).to(torch.int32)
     tables[2] = torch.arange(7, dtype=torch.int32)  # 200 tokens of block_size 8 need 25 blocks: bigger sizes only
-    seqs = PagedSeqs(tables, torch.tensor([min(c, 7 * block_size) for c in context_lens], dtype=torch.int32))
+    lens = [min(c, 7 * block_size) for c in context_lens]
+    seqs = PagedSeqs(tables, torch.tensor(lens, dtype=torch.int32))
     q = torch.randn(5, num_heads, head_dim, generator=generator).bfloat16()
-    got, expected = torch.empty_like(q), torch.empty_like(q.float())
+    got = torch.empty_like(q)
     with torch_threads(threads):
         assert kv_int8.paged_decode_attention(q, pool[0], pool[1], seqs, head_dim ** -0.5, got)
-    # the same attention in float32: the scaled queries quantized as the pool's rows are, every row
-    # dequantized to float32; then rounded to bf16 once
-    queries = kv_int8.dequantize(kv_int8.quantize(q.float() * head_dim ** -0.5), torch.float32)
-    assert gather_decode(queries, pool[0], pool[1], seqs, 1.0, expected)
-    torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
+    # the same attention in float64: the scaled queries quantized as the pool's rows are, every
+    # row dequantized; the kernel's output is that, but for its 8-bit weights and bf16 rounding
+    queries = kv_int8.dequantize(kv_int8.quantize(q.float() * head_dim ** -0.5), torch.float64)
+    group = num_heads // num_kv_heads
+    for s, length in enumerate(lens):
+        slots = [int(tables[s, p // block_size]) * block_size + p % block_size for p in range(length)]
+        for h in range(num_heads):
+            key_rows, value_rows = (pool[i].view(-1, num_kv_heads, head_dim + 4)[slots, h // group] for i in (0, 1))
+            p = torch.softmax(kv_int8.dequantize(key_rows, torch.float64) @ queries[s, h], dim=0)
+            expected = p @ kv_int8.dequantize(value_rows, torch.float64)
+            bound = weight_rounding_bound(p, value_rows, block_size) + expected.abs() * 2**-8 + 1e-5
+            assert bool(((got[s, h].double() - expected).abs() <= bound).all()), (s, h)
 
 
 @needs_kernel
-def test_decode_kernel_declines_what_it_does_not_run_and_names_a_bad_block():
+def test_int8_kernels_decline_what_they_do_not_run_and_name_a_bad_block_or_slot():
     from batchgen.kernels.attention_kernel import AttentionVariant, PagedSeqs
 
     pool = kv_int8.quantize(torch.randn(2, 4, 16, 2, 64))
@@ -117,3 +139,5 @@ def test_decode_kernel_declines_what_it_does_not_run_and_names_a_bad_block():
     bad = PagedSeqs(torch.tensor([[0, 9]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32))
     with pytest.raises(ValueError, match="block table entry"):
         kv_int8.paged_decode_attention(q, pool[0], pool[1], bad, 0.1, out)
+    with pytest.raises(ValueError, match="slot is outside the pool"):
+        kv_int8.store(q[:, :2], q[:, 2:], pool[0], pool[1], torch.tensor([64]))

@@ -11,7 +11,8 @@ enum {
     STATUS_BAD_BLOCK_ID = 2,    /* a block table entry outside [0, num_blocks) */
     STATUS_UNSUPPORTED = 3,     /* this build has no code for the dtype, head size, block size or head group */
     STATUS_NO_MEMORY = 4,       /* scratch memory could not be allocated */
-    STATUS_BAD_GROUP = 5        /* a shared-prefix group breaks its invariants */
+    STATUS_BAD_GROUP = 5,       /* a shared-prefix group breaks its invariants */
+    STATUS_BAD_SLOT = 6         /* a slot outside the pool */
 };
 
 #endif
