@@ -15,7 +15,7 @@ from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
 from batchgen.kernels import amx_attention, cpu_attention
 from batchgen.kernels.attention import AttentionMetadata, NativeBackend, ReferenceBackend, make_backend
-from batchgen.kernels.attention_kernel import PagedSeqs
+from batchgen.kernels.attention_kernel import FULL, AttentionVariant, PagedSeqs
 from batchgen.sampling_params import SamplingParams
 from tests.conftest import tiny_model
 from tests.kernels.paged_inputs import shuffled_tables
@@ -48,8 +48,9 @@ def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3,
     return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), block_tables
 
 
-def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens):
-    """Each chunk's causal attention over its context, gathered through its block table, in float64."""
+def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softcap=0.0):
+    """Each chunk's causal attention over its context, gathered through its block table, in float64
+    (each scaled score x made softcap * tanh(x / softcap) where `softcap` is given)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     flat_k = k_cache.reshape(-1, num_kv_heads, HEAD_DIM).double()
@@ -60,6 +61,8 @@ def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens):
         slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
         keys, values = flat_k[slots].repeat_interleave(group, 1), flat_v[slots].repeat_interleave(group, 1)
         scores = torch.einsum("qhd,lhd->hql", q[start:start + num_queries].double(), keys) * SCALE
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         visible = positions[None] <= torch.arange(context - num_queries, context)[:, None]
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + num_queries] = torch.einsum("hql,lhd->qhd", weights, values)
@@ -76,12 +79,12 @@ def prefill_seqs(block_tables, context_lens, query_starts, query_lens, groups=No
                      int32(query_starts), int32(query_lens))
 
 
-def attend(q, k_cache, v_cache, block_tables, context_lens, query_lens, groups=None):
+def attend(q, k_cache, v_cache, block_tables, context_lens, query_lens, groups=None, variant=FULL):
     starts = [sum(query_lens[:s]) for s in range(len(query_lens))]
     out = torch.full_like(q, float("nan"))
     assert amx_attention.paged_prefill_attention(q, k_cache, v_cache,
                                                  prefill_seqs(block_tables, context_lens, starts, query_lens, groups),
-                                                 SCALE, out)
+                                                 SCALE, out, variant)
     return out
 
 
@@ -99,6 +102,15 @@ def test_chunks_match_the_reference(num_heads, num_kv_heads, block_size):
                         block_size=block_size)
     got = attend(*inputs, context_lens, query_lens)
     assert bf16_error(got, reference(*inputs, context_lens, query_lens)) < 2
+
+
+@pytest.mark.parametrize("softcap", [0.5, 50.0])
+def test_soft_capped_chunks_match_the_reference(softcap):
+    # a cap that bends most scores (0.5) and one that bends few (50); with and without cached context
+    context_lens, query_lens = [300, 97, 16], [300, 27, 16]
+    inputs = paged_step(context_lens, query_lens)
+    got = attend(*inputs, context_lens, query_lens, variant=AttentionVariant(softcap=softcap))
+    assert bf16_error(got, reference(*inputs, context_lens, query_lens, softcap=softcap)) < 2
 
 
 def test_groups_match_the_reference():

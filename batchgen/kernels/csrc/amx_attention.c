@@ -1,6 +1,7 @@
 /*
- * Attention on AMX tiles: causal attention of a step's prefill chunks over the paged KV pool,
- * and decode rows over it (the "decode" section below), bfloat16, head_dim 64, built where the
+ * Attention on AMX tiles: causal attention of a step's prefill chunks over the paged KV pool
+ * (soft-capped where `softcap` > 0: the raw scores capped before the softmax, cap_scores), and
+ * decode rows over it (the "decode" section below), bfloat16, head_dim 64, built where the
  * CPU has AMX-BF16 (elsewhere every call returns STATUS_UNSUPPORTED and
  * bg_amx_attention_available says 0).
  *
@@ -71,6 +72,7 @@ typedef struct {
     int64_t *unit_rows; /* [num_seqs] each sequence's first row among its unit's rows */
     int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
     float scale_log2; /* the softmax scale times log2(e) */
+    float softcap;    /* 0: none; else each raw score s becomes c tanh(s / c), c = softcap / scale */
 } Problem;
 
 typedef struct {
@@ -367,10 +369,26 @@ static void value_tiles(const char *key_block, BlockState *b) {
     _tile_dpbf16ps(3, SCORES, OPERAND);
 }
 
+/* The soft-cap on a key block's raw scores in place: s -> c tanh(s / c), c = p->softcap (the
+ * scaled score x then becomes softcap tanh(x / softcap)); tanh(y) = 1 - 2 / (2^(2 y log2(e)) + 1)
+ * through exp2_16 (|y| clamped at 9, where tanh is 1 in float32). */
+static void cap_scores(const Problem *p, float *scores) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / p->softcap), cap = _mm512_set1_ps(p->softcap);
+    const __m512 limit = _mm512_set1_ps(9.0f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    const __m512 two_log2e = _mm512_set1_ps(2.0f * 1.4426950408889634f);
+    for (int i = 0; i < BLOCK_ROWS * BLOCK_KEYS; i += 16) {
+        __m512 y = _mm512_mul_ps(_mm512_load_ps(scores + i), inverse);
+        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
+        __m512 e = exp2_16(_mm512_mul_ps(y, two_log2e));
+        __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+        _mm512_store_ps(scores + i, _mm512_mul_ps(cap, tanh));
+    }
+}
+
 /* The row block attends to a staged segment of which row r sees the first limit[r] keys. The
  * next key block's scores are asked of the tiles before this one's softmax, which does not wait
  * for them: the two overlap. */
-static void attend_segment(const char *segment, const int *limit, float scale_log2, BlockState *b) {
+static void attend_segment(const Problem *p, const char *segment, const int *limit, BlockState *b) {
     int most = 0;
     for (int r = 0; r < BLOCK_ROWS; r++) most = limit[r] > most ? limit[r] : most;
     if (most > 0) score_tiles(segment, b->scores[0]);
@@ -379,7 +397,8 @@ static void attend_segment(const char *segment, const int *limit, float scale_lo
         if (k0 + BLOCK_KEYS < most) score_tiles(key_block + KEY_BLOCK_BYTES, b->scores[i ^ 1]);
         int visible[BLOCK_ROWS];
         for (int r = 0; r < BLOCK_ROWS; r++) visible[r] = limit[r] - k0;
-        unsigned moved = softmax_block(b->scores[i], visible, scale_log2, b);
+        if (p->softcap > 0.0f) cap_scores(p, b->scores[i]);
+        unsigned moved = softmax_block(b->scores[i], visible, p->scale_log2, b);
         if (moved && !b->is_empty) rescale_accumulators(moved, b);
         value_tiles(key_block, b);
         b->is_empty = 0;
@@ -409,7 +428,7 @@ static void attend_block(const Problem *p, const Unit *u, const Staged *staged, 
     reset_state(b);
     if (u->prefix > 0) {
         for (int r = 0; r < BLOCK_ROWS; r++) limit[r] = r < rows ? u->prefix : 0;
-        attend_segment(staged->keys, limit, p->scale_log2, b);
+        attend_segment(p, staged->keys, limit, b);
     }
     for (int seq = staged->first; seq < staged->end; seq++) {
         int length = own_length(p, u, seq);
@@ -422,7 +441,7 @@ static void attend_block(const Problem *p, const Unit *u, const Staged *staged, 
                            ? (int)(length - p->query_lens[seq] + (row - member_first) + 1)
                            : 0;
         }
-        attend_segment(staged->keys + staged->own_offsets[seq - staged->first], limit, p->scale_log2, b);
+        attend_segment(p, staged->keys + staged->own_offsets[seq - staged->first], limit, b);
     }
     store_rows(p, &block, b);
 }
@@ -947,11 +966,11 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
  * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
  * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
 int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
-    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || window || softcap || sinks || !amx_tiles_granted())
+    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || window || sinks || !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
-                 block_size, max_blocks, scale * 1.4426950408889634f};
+                 block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     if (units == NULL || p.unit_rows == NULL) {
