@@ -32,8 +32,9 @@ float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16
 head_dim 64, both kinds go through the AMX kernels (`amx_attention`), decode rows through the
 vector kernel's cascade where the AMX one does not apply; there, in bfloat16, a windowed layer's
 prefill runs on flash SDPA in bands (`window_bands`) before the C kernel. Over an int8 pool (`kv_int8`) decode
-rows run on `kv_int8`'s C kernel, which computes on the int8 rows as stored; prefill chunks (and
-decode rows where that kernel does not run) gather the rows and dequantize them for SDPA.
+rows run on `kv_int8`'s C kernel, which computes on the int8 rows as stored; prefill chunks run
+on the float pool's prefill kernels over the blocks they read, dequantized, else (and decode
+rows where the int8 kernel does not run) gather the rows and dequantize them for SDPA.
 """
 
 from __future__ import annotations
@@ -434,13 +435,17 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
                  cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """"reference", "native", or "auto" (native with the device's fastest decode and prefill
     kernels for `dtype` and `head_dim`, over a pool of `cache_dtype`, default `dtype`; an int8
-    pool's decode rows through `kv_int8`'s kernel, its prefill chunks through SDPA)."""
+    pool's decode rows through `kv_int8`'s kernel, its prefill chunks through the float pool's
+    prefill kernels on the blocks they read, dequantized, else SDPA)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
     if cache_dtype == torch.int8:
-        return NativeBackend(kv_int8.paged_decode_attention)
+        float_backend = make_backend(name, device, dtype, head_dim)
+        return NativeBackend(kv_int8.paged_decode_attention, kv_int8.over_dequantized_blocks(float_backend.prefill),
+                             variant_prefills=tuple(map(kv_int8.over_dequantized_blocks,
+                                                        float_backend.variant_prefills)))
     if device.type == "cpu" and cpu_attention.is_available():
         is_c_preferred = cpu_attention.prefill_is_preferred(dtype)
         variant_prefills = (cpu_attention.paged_prefill_attention,)

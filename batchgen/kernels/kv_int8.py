@@ -14,6 +14,9 @@ Invariants:
 - `readable` gives a gathered cache's rows as the dtype the attention computes in: a float
   cache's as they are, an int8 cache's dequantized (float32 products, then rounded to `dtype`).
 - `store` writes the rows `quantize` gives (in C for bf16 rows where the kernels run).
+- `over_dequantized_blocks(kernel)` runs a float pool's kernel over an int8 one: on the blocks its
+  sequences read, dequantized (as `readable` does) into a pool of their own, block tables
+  renumbered alike, so shared-prefix groups hold.
 - `paged_decode_attention` follows `attention_kernel`'s contract over an int8 pool (bf16
   queries, C on AVX-512 with AVX512-VNNI and AVX512-BF16): the attention of the dequantized
   rows for the scaled queries quantized as `quantize` does (exact int8 dot products), each
@@ -29,7 +32,9 @@ import functools
 
 import torch
 
-from batchgen.kernels.attention_kernel import FULL, AttentionVariant, PagedSeqs
+import dataclasses
+
+from batchgen.kernels.attention_kernel import FULL, AttentionKernel, AttentionVariant, PagedSeqs
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.kernel_status import check_status
 
@@ -138,3 +143,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seqs.context_lens.data_ptr(), len(seqs.context_lens), q.shape[1], num_kv_heads, head_dim_of(k_cache),
         num_blocks, block_size, seqs.block_tables.shape[1], scale, torch.get_num_threads())
     return check_status("kv_int8 paged_decode_attention", status)
+
+
+def over_dequantized_blocks(kernel: AttentionKernel | None) -> AttentionKernel | None:
+    """`kernel` (of a float pool) over an int8 pool: the blocks the sequences read dequantized to
+    the queries' dtype into a pool of their own, block tables renumbered to it. Prefill runs so on
+    the float pool's fastest kernels; the dequantized copy costs one pass over the rows read."""
+    if kernel is None:
+        return None
+
+    def run(q, k_cache, v_cache, seqs: PagedSeqs, scale, out, variant: AttentionVariant = FULL) -> bool:
+        if not is_int8(k_cache):
+            return kernel(q, k_cache, v_cache, seqs, scale, out, variant)
+        block_size = k_cache.shape[1]
+        blocks_read = (seqs.context_lens.long() + block_size - 1) // block_size
+        read = torch.arange(seqs.block_tables.shape[1], device=q.device)[None, :] < blocks_read[:, None]
+        blocks, renumbered = torch.unique(seqs.block_tables[read], return_inverse=True)
+        tables = torch.zeros_like(seqs.block_tables)
+        tables[read] = renumbered.to(tables.dtype)
+        keys, values = dequantize(k_cache[blocks], q.dtype), dequantize(v_cache[blocks], q.dtype)
+        return kernel(q, keys, values, dataclasses.replace(seqs, block_tables=tables), scale, out, variant)
+
+    return run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.kernels import kv_int8
+from batchgen.kernels import cpu_attention, kv_int8
 from batchgen.kernels.attention import AttentionMetadata, ReferenceBackend, make_backend
 
 
@@ -61,6 +61,22 @@ def test_attention_over_an_int8_pool_is_attention_over_its_dequantized_rows(back
     unquantized = torch.empty_like(q)
     ReferenceBackend().forward(q, None, None, k.view(8, 16, 2, 64), v.view(8, 16, 2, 64), metadata, 0.125, unquantized)
     assert (got.float() - expected.float()).abs().max() < (got.float() - unquantized.float()).abs().max()
+
+
+@pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler")
+def test_a_float_pool_kernel_runs_over_the_dequantized_blocks_its_chunks_read():
+    q, k, v, metadata = paged_step()
+    int8_k = kv_int8.quantize(k).view(8, 16, 2, 68)
+    int8_v = kv_int8.quantize(v).view(8, 16, 2, 68)
+    seqs = metadata.prefill_seqs
+    got, expected = torch.zeros_like(q), torch.zeros_like(q)
+    run = kv_int8.over_dequantized_blocks(cpu_attention.paged_prefill_attention)
+    assert run(q, int8_k, int8_v, seqs, 0.125, got)
+    # the same kernel over the whole pool dequantized: the same rows, the same sums
+    assert cpu_attention.paged_prefill_attention(q, kv_int8.dequantize(int8_k, q.dtype),
+                                                 kv_int8.dequantize(int8_v, q.dtype), seqs, 0.125, expected)
+    assert torch.equal(got[1:], expected[1:]) and not got[0].any()  # row 0 is the decode row
+    assert kv_int8.over_dequantized_blocks(None) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
