@@ -8,8 +8,9 @@
 - batchgen-nocache / batchgen: batchgen's LLM with prefix caching off / on; batchgen-eager:
   prefix caching on, no CUDA graphs (on CUDA, the eager step that `batchgen` replays as graphs);
   batchgen-unfused: prefix caching on, transformers' forward instead of the fused step;
-  batchgen-int8 / batchgen-int8-weight / batchgen-int8-kv: prefix caching on, `quantization:
-  int8` (W8A8) / `quantization: int8-weight` / `kv_cache_dtype: int8`.
+  batchgen-int8 / batchgen-int8-weight / batchgen-int8-kv / batchgen-int8+int8-kv: prefix
+  caching on, `quantization: int8` (W8A8) / `quantization: int8-weight` / `kv_cache_dtype: int8`
+  / both W8A8 and the int8 K/V cache.
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs), each in its own process
   (`Peer`): vllm-cpu, vLLM's CPU backend; openvino / openvino-int8, OpenVINO GenAI's continuous
   batching on the model's IR with float32 / int8 weights (int8: optimum-intel's weight
@@ -296,6 +297,7 @@ QUANTIZED_SYSTEMS = {  # name -> its engine options
     "batchgen-int8": {"quantization": "int8"},
     "batchgen-int8-weight": {"quantization": "int8-weight"},
     "batchgen-int8-kv": {"kv_cache_dtype": "int8"},
+    "batchgen-int8+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
 BATCHGEN_SYSTEMS = ("batchgen-nocache", "batchgen-eager", "batchgen-unfused", "batchgen", *QUANTIZED_SYSTEMS)
 SYSTEM_NAMES = ("hf-generate-b1", "hf-generate-padded", "hf-generate-batch", *BATCHGEN_SYSTEMS)
