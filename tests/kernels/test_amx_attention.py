@@ -48,9 +48,10 @@ def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3,
     return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), block_tables
 
 
-def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softcap=0.0):
+def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softcap=0.0, window=0):
     """Each chunk's causal attention over its context, gathered through its block table, in float64
-    (each scaled score x made softcap * tanh(x / softcap) where `softcap` is given)."""
+    (each scaled score x made softcap * tanh(x / softcap) where `softcap` is given; each query at
+    position t seeing only t - window + 1 .. t where `window` is)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     flat_k = k_cache.reshape(-1, num_kv_heads, HEAD_DIM).double()
@@ -63,7 +64,10 @@ def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softc
         scores = torch.einsum("qhd,lhd->hql", q[start:start + num_queries].double(), keys) * SCALE
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        visible = positions[None] <= torch.arange(context - num_queries, context)[:, None]
+        query_positions = torch.arange(context - num_queries, context)[:, None]
+        visible = positions[None] <= query_positions
+        if window:
+            visible &= positions[None] > query_positions - window
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + num_queries] = torch.einsum("hql,lhd->qhd", weights, values)
         start += num_queries
@@ -111,6 +115,25 @@ def test_soft_capped_chunks_match_the_reference(softcap):
     inputs = paged_step(context_lens, query_lens)
     got = attend(*inputs, context_lens, query_lens, variant=AttentionVariant(softcap=softcap))
     assert bf16_error(got, reference(*inputs, context_lens, query_lens, softcap=softcap)) < 2
+
+
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (40, 0.0), (100, 0.5), (500, 0.0)])
+def test_windowed_chunks_match_the_reference(window, softcap):
+    # a whole 300-token prompt, chunks after 70 and 200 cached tokens, one token after 40
+    context_lens, query_lens = [300, 97, 264, 41], [300, 27, 64, 1]
+    inputs = paged_step(context_lens, query_lens)
+    got = attend(*inputs, context_lens, query_lens, variant=AttentionVariant(window=window, softcap=softcap))
+    expected = reference(*inputs, context_lens, query_lens, softcap=softcap, window=window)
+    assert bf16_error(got, expected) < 2
+
+
+def test_windowed_groups_match_the_reference():
+    # members share 96 (then 64) positions; windows end inside the prefix for some rows, past it for others
+    context_lens, query_lens = [130, 110, 200, 70, 90], [34, 14, 104, 6, 26]
+    shared = ((0, 3, 96), (3, 5, 64))
+    inputs = paged_step(context_lens, query_lens, shared)
+    got = attend(*inputs, context_lens, query_lens, groups=shared, variant=AttentionVariant(window=50))
+    assert bf16_error(got, reference(*inputs, context_lens, query_lens, window=50)) < 2
 
 
 def test_groups_match_the_reference():

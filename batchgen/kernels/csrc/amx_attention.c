@@ -1,6 +1,9 @@
 /*
  * Attention on AMX tiles: causal attention of a step's prefill chunks over the paged KV pool
- * (soft-capped where `softcap` > 0: the raw scores capped before the softmax, cap_scores), and
+ * (soft-capped where `softcap` > 0: the raw scores capped before the softmax, cap_scores; with a
+ * `window`, each row attends from its window's start: an item stages each member's own keys
+ * from its first row's window on, and a row block skips the key blocks before all its rows'
+ * windows), and
  * decode rows over it (the "decode" section below), bfloat16, head_dim 64, built where the
  * CPU has AMX-BF16 (elsewhere every call returns STATUS_UNSUPPORTED and
  * bg_amx_attention_available says 0).
@@ -73,6 +76,7 @@ typedef struct {
     int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
     float scale_log2; /* the softmax scale times log2(e) */
     float softcap;    /* 0: none; else each raw score s becomes c tanh(s / c), c = softcap / scale */
+    int window;       /* 0: none; else a row at position t sees positions t - window + 1 .. t */
 } Problem;
 
 typedef struct {
@@ -84,7 +88,8 @@ typedef struct {
  * rows meet the item's) as far as the item's rows see them. */
 typedef struct {
     int first, end;
-    int *own_keys;            /* [end - first] own keys staged */
+    int *own_from;            /* [end - first] the first own key staged (the item's first row's window) */
+    int *own_keys;            /* [end - first] own keys staged, from own_from on */
     int64_t *own_offsets;     /* [end - first] byte offsets of their segments */
     char *keys;               /* the tile-order buffer */
     int64_t capacity;         /* its bytes */
@@ -208,8 +213,17 @@ static int own_keys_seen(const Problem *p, const Unit *u, int seq, int64_t end_r
     return own_length(p, u, seq) - (past > 0 ? (int)past : 0);
 }
 
+/* The first own key of member `seq` of unit `u` that its rows from unit row `first_row` on see:
+ * its first such row's window start (0 without a window). */
+static int own_keys_from(const Problem *p, const Unit *u, int seq, int64_t first_row) {
+    int64_t row = first_row > p->unit_rows[seq] ? first_row : p->unit_rows[seq];
+    int64_t own = own_length(p, u, seq) - p->query_lens[seq] + (row - p->unit_rows[seq]); /* its own key */
+    return p->window > 0 && own - p->window + 1 > 0 ? (int)(own - p->window + 1) : 0;
+}
+
 /* The keys seen by unit rows first_row .. end_row - 1 of unit `u` for `kv_head`, into `staged`
- * (its buffer grown as needed). Returns a STATUS_* code. */
+ * (its buffer grown as needed): the prefix, and each member's own keys from its first row's
+ * window on. Returns a STATUS_* code. */
 static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t first_row, int64_t end_row,
                       Staged *staged) {
     staged->first = u->end, staged->end = u->first;
@@ -221,7 +235,8 @@ static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t firs
     int64_t bytes = (int64_t)key_blocks(u->prefix) * KEY_BLOCK_BYTES;
     for (int seq = staged->first; seq < staged->end; seq++) {
         staged->own_offsets[seq - staged->first] = bytes;
-        staged->own_keys[seq - staged->first] = own_keys_seen(p, u, seq, end_row);
+        staged->own_from[seq - staged->first] = own_keys_from(p, u, seq, first_row);
+        staged->own_keys[seq - staged->first] = own_keys_seen(p, u, seq, end_row) - staged->own_from[seq - staged->first];
         bytes += (int64_t)key_blocks(staged->own_keys[seq - staged->first]) * KEY_BLOCK_BYTES;
     }
     if (bytes > staged->capacity) {
@@ -233,8 +248,9 @@ static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t firs
     int code = stage_segment(p, p->block_tables + (int64_t)u->first * p->max_blocks, 0, u->prefix, kv_head,
                              staged->keys);
     for (int seq = staged->first; seq < staged->end && code == STATUS_OK; seq++)
-        code = stage_segment(p, p->block_tables + (int64_t)seq * p->max_blocks, u->prefix,
-                             staged->own_keys[seq - staged->first], kv_head,
+        code = stage_segment(p, p->block_tables + (int64_t)seq * p->max_blocks,
+                             u->prefix + staged->own_from[seq - staged->first], staged->own_keys[seq - staged->first],
+                             kv_head,
                              staged->keys + staged->own_offsets[seq - staged->first]);
     return code;
 }
@@ -300,19 +316,22 @@ static inline __mmask16 first_lanes(int count) {
     return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
 }
 
-/* The softmax step of a key block whose first `visible[r]` keys row r sees (none for <= 0, all
- * for >= 32): the probabilities into b->probs (bf16, 0 where masked), the sums, and the factor
- * of each row whose reference max moved. Returns those rows as a bit mask. */
-static unsigned softmax_block(const float *scores, const int *visible, float scale_log2, BlockState *b) {
+/* The softmax step of a key block of which row r sees keys hidden[r] .. visible[r] - 1 (none
+ * where visible[r] <= max(hidden[r], 0), all for hidden[r] <= 0 and visible[r] >= 32): the
+ * probabilities into b->probs (bf16, 0 where masked), the sums, and the factor of each row whose
+ * reference max moved. Returns those rows as a bit mask. */
+static unsigned softmax_block(const float *scores, const int *hidden, const int *visible, float scale_log2,
+                              BlockState *b) {
     unsigned moved = 0;
     const __m512 scale = _mm512_set1_ps(scale_log2), none = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < BLOCK_ROWS; r++) {
-        if (visible[r] <= 0) {
+        if (visible[r] <= 0 || visible[r] <= hidden[r]) {
             _mm512_store_si512(b->probs + r * BLOCK_KEYS, _mm512_setzero_si512());
             continue;
         }
-        int is_partial = visible[r] < BLOCK_KEYS;
-        __mmask16 low = first_lanes(visible[r]), high = first_lanes(visible[r] - 16);
+        int is_partial = visible[r] < BLOCK_KEYS || hidden[r] > 0;
+        __mmask16 low = first_lanes(visible[r]) & ~first_lanes(hidden[r]);
+        __mmask16 high = first_lanes(visible[r] - 16) & ~first_lanes(hidden[r] - 16);
         __m512 s0 = _mm512_load_ps(scores + r * BLOCK_KEYS), s1 = _mm512_load_ps(scores + r * BLOCK_KEYS + 16);
         if (is_partial) s0 = _mm512_mask_mov_ps(none, low, s0), s1 = _mm512_mask_mov_ps(none, high, s1);
         __m512 row_max = _mm512_max_ps(s0, s1);
@@ -385,20 +404,28 @@ static void cap_scores(const Problem *p, float *scores) {
     }
 }
 
-/* The row block attends to a staged segment of which row r sees the first limit[r] keys. The
- * next key block's scores are asked of the tiles before this one's softmax, which does not wait
- * for them: the two overlap. */
-static void attend_segment(const Problem *p, const char *segment, const int *limit, BlockState *b) {
-    int most = 0;
-    for (int r = 0; r < BLOCK_ROWS; r++) most = limit[r] > most ? limit[r] : most;
-    if (most > 0) score_tiles(segment, b->scores[0]);
-    for (int k0 = 0, i = 0; k0 < most; k0 += BLOCK_KEYS, i ^= 1) {
+/* The row block attends to a staged segment of which row r sees keys start[r] .. limit[r] - 1
+ * (none where limit[r] <= start[r]); key blocks before every row's start are skipped. The next
+ * key block's scores are asked of the tiles before this one's softmax, which does not wait for
+ * them: the two overlap. */
+static void attend_segment(const Problem *p, const char *segment, const int *start, const int *limit,
+                           BlockState *b) {
+    int most = 0, least = INT32_MAX;
+    for (int r = 0; r < BLOCK_ROWS; r++)
+        if (limit[r] > start[r]) {
+            most = limit[r] > most ? limit[r] : most;
+            least = start[r] < least ? start[r] : least;
+        }
+    if (most == 0) return;
+    int first = least / BLOCK_KEYS * BLOCK_KEYS;
+    score_tiles(segment + (int64_t)(first / BLOCK_KEYS) * KEY_BLOCK_BYTES, b->scores[0]);
+    for (int k0 = first, i = 0; k0 < most; k0 += BLOCK_KEYS, i ^= 1) {
         const char *key_block = segment + (int64_t)(k0 / BLOCK_KEYS) * KEY_BLOCK_BYTES;
         if (k0 + BLOCK_KEYS < most) score_tiles(key_block + KEY_BLOCK_BYTES, b->scores[i ^ 1]);
-        int visible[BLOCK_ROWS];
-        for (int r = 0; r < BLOCK_ROWS; r++) visible[r] = limit[r] - k0;
+        int hidden[BLOCK_ROWS], visible[BLOCK_ROWS];
+        for (int r = 0; r < BLOCK_ROWS; r++) hidden[r] = start[r] - k0, visible[r] = limit[r] - k0;
         if (p->softcap > 0.0f) cap_scores(p, b->scores[i]);
-        unsigned moved = softmax_block(b->scores[i], visible, p->scale_log2, b);
+        unsigned moved = softmax_block(b->scores[i], hidden, visible, p->scale_log2, b);
         if (moved && !b->is_empty) rescale_accumulators(moved, b);
         value_tiles(key_block, b);
         b->is_empty = 0;
@@ -417,31 +444,45 @@ static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
     }
 }
 
+/* The first key of a row at `position` that its window lets it see (0 without a window). */
+static inline int window_start(const Problem *p, int64_t position) {
+    return p->window > 0 && position - p->window + 1 > 0 ? (int)(position - p->window + 1) : 0;
+}
+
 /* Rows first .. first + rows - 1 (rows <= 16) of an item of unit `u` and kv head `kv_head`,
- * over the keys `staged` for them. */
+ * over the keys `staged` for them: the prefix, then each member's own keys (staged from
+ * own_from on), each row from its window's start. */
 static void attend_block(const Problem *p, const Unit *u, const Staged *staged, int kv_head, int64_t first, int rows,
                          BlockState *b) {
-    int limit[BLOCK_ROWS];
+    int start[BLOCK_ROWS], limit[BLOCK_ROWS];
+    int64_t own[BLOCK_ROWS]; /* each real row's own key (its position past the prefix); -1: padding */
     RowBlock block;
     row_block(p, u, kv_head, first, rows, &block);
     load_queries(p, &block, b);
     reset_state(b);
+    for (int r = 0; r < BLOCK_ROWS; r++) own[r] = -1;
+    for (int seq = staged->first; seq < staged->end; seq++) {
+        int64_t member_first = p->unit_rows[seq], member_end = member_first + p->query_lens[seq];
+        for (int r = 0; r < rows; r++) /* unit row member_first + i sits at own key length - query_len + i */
+            if (block.unit_row[r] >= member_first && block.unit_row[r] < member_end)
+                own[r] = own_length(p, u, seq) - p->query_lens[seq] + (block.unit_row[r] - member_first);
+    }
     if (u->prefix > 0) {
-        for (int r = 0; r < BLOCK_ROWS; r++) limit[r] = r < rows ? u->prefix : 0;
-        attend_segment(p, staged->keys, limit, b);
+        for (int r = 0; r < BLOCK_ROWS; r++)
+            start[r] = own[r] < 0 ? 0 : window_start(p, u->prefix + own[r]), limit[r] = own[r] < 0 ? 0 : u->prefix;
+        attend_segment(p, staged->keys, start, limit, b);
     }
     for (int seq = staged->first; seq < staged->end; seq++) {
-        int length = own_length(p, u, seq);
         int64_t member_first = p->unit_rows[seq], member_end = member_first + p->query_lens[seq];
         if (member_first > block.unit_row[rows - 1] || member_end <= block.unit_row[0]) continue;
-        /* unit row member_first + i sits at own position length - query_len + i */
+        int from = staged->own_from[seq - staged->first];
         for (int r = 0; r < BLOCK_ROWS; r++) {
-            int64_t row = r < rows ? block.unit_row[r] : -1;
-            limit[r] = row >= member_first && row < member_end
-                           ? (int)(length - p->query_lens[seq] + (row - member_first) + 1)
-                           : 0;
+            int is_member = r < rows && block.unit_row[r] >= member_first && block.unit_row[r] < member_end;
+            start[r] = is_member ? window_start(p, own[r]) - from : 0;
+            limit[r] = is_member ? (int)(own[r] + 1 - from) : 0;
+            start[r] = start[r] > 0 ? start[r] : 0;
         }
-        attend_segment(p, staged->keys + staged->own_offsets[seq - staged->first], limit, b);
+        attend_segment(p, staged->keys + staged->own_offsets[seq - staged->first], start, limit, b);
     }
     store_rows(p, &block, b);
 }
@@ -533,24 +574,25 @@ static int run(const Problem *p, const Unit *units, const Item *items, int num_i
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         Staged staged = {0, 0, (int *)malloc(sizeof(int) * (size_t)max_members),
+                         (int *)malloc(sizeof(int) * (size_t)max_members),
                          (int64_t *)malloc(sizeof(int64_t) * (size_t)max_members), NULL, 0};
         BlockState *b = (BlockState *)aligned_alloc(64, sizeof(BlockState));
-        if (b == NULL || staged.own_keys == NULL || staged.own_offsets == NULL) {
+        int is_ready = b && staged.own_from && staged.own_keys && staged.own_offsets;
+        if (!is_ready) {
 #pragma omp atomic write
             status = STATUS_NO_MEMORY;
         }
         configure_tiles(BLOCK_ROWS);
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < num_items; i++) {
-            int code = b && staged.own_keys && staged.own_offsets ? run_item(p, &units[items[i].unit], &items[i], &staged, b)
-                                                                   : STATUS_OK;
+            int code = is_ready ? run_item(p, &units[items[i].unit], &items[i], &staged, b) : STATUS_OK;
             if (code != STATUS_OK) {
 #pragma omp atomic write
                 status = code;
             }
         }
         _tile_release();
-        free(b), free(staged.own_keys), free(staged.own_offsets), free(staged.keys);
+        free(b), free(staged.own_from), free(staged.own_keys), free(staged.own_offsets), free(staged.keys);
     }
     return status;
 }
@@ -966,11 +1008,12 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
  * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
  * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
 int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
-    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || window || sinks || !amx_tiles_granted())
+    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || sinks || !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
-                 block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f};
+                 block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f,
+                 window};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     if (units == NULL || p.unit_rows == NULL) {
