@@ -100,6 +100,8 @@ def _library() -> ctypes.CDLL | None:
                                                                                                   ctypes.c_int]
     library.bg_kv_int8_store.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
                                          + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int])
+    library.bg_kv_int8_dequantize.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                                         ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
     return library
 
 
@@ -145,6 +147,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return check_status("kv_int8 paged_decode_attention", status)
 
 
+def dequantized_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize(cache[blocks], dtype)` of an int8 pool (in C for bf16 where the kernels run)."""
+    library = _library()
+    head_dim = head_dim_of(cache)
+    if library is None or dtype != torch.bfloat16 or not (cache.is_cpu and cache.is_contiguous()):
+        return dequantize(cache[blocks], dtype)
+    blocks = blocks.to(torch.int64).contiguous()
+    out = torch.empty((len(blocks), *cache.shape[1:-1], head_dim), dtype=dtype)
+    status = library.bg_kv_int8_dequantize(cache.data_ptr(), blocks.data_ptr(), len(blocks), cache.shape[0],
+                                           cache.shape[1] * cache.shape[2], head_dim, out.data_ptr(),
+                                           torch.get_num_threads())
+    return out if check_status("kv_int8 dequantize", status) else dequantize(cache[blocks], dtype)
+
+
 def over_dequantized_blocks(kernel: AttentionKernel | None) -> AttentionKernel | None:
     """`kernel` (of a float pool) over an int8 pool: the blocks the sequences read dequantized to
     the queries' dtype into a pool of their own, block tables renumbered to it. Prefill runs so on
@@ -161,7 +177,7 @@ def over_dequantized_blocks(kernel: AttentionKernel | None) -> AttentionKernel |
         blocks, renumbered = torch.unique(seqs.block_tables[read], return_inverse=True)
         tables = torch.zeros_like(seqs.block_tables)
         tables[read] = renumbered.to(tables.dtype)
-        keys, values = dequantize(k_cache[blocks], q.dtype), dequantize(v_cache[blocks], q.dtype)
+        keys, values = dequantized_blocks(k_cache, blocks, q.dtype), dequantized_blocks(v_cache, blocks, q.dtype)
         return kernel(q, keys, values, dataclasses.replace(seqs, block_tables=tables), scale, out, variant)
 
     return run

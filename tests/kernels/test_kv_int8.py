@@ -63,6 +63,13 @@ def test_attention_over_an_int8_pool_is_attention_over_its_dequantized_rows(back
     assert (got.float() - expected.float()).abs().max() < (got.float() - unquantized.float()).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chosen_blocks_dequantize_as_their_rows_do(dtype):
+    pool = kv_int8.quantize(torch.randn(20, 16, 3, 64) * torch.logspace(-3, 2, 20)[:, None, None, None])
+    blocks = torch.tensor([5, 0, 19, 5])
+    assert torch.equal(kv_int8.dequantized_blocks(pool, blocks, dtype), kv_int8.dequantize(pool[blocks], dtype))
+
+
 @pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler")
 def test_a_float_pool_kernel_runs_over_the_dequantized_blocks_its_chunks_read():
     q, k, v, metadata = paged_step()
@@ -157,3 +164,5 @@ def test_int8_kernels_decline_what_they_do_not_run_and_name_a_bad_block_or_slot(
         kv_int8.paged_decode_attention(q, pool[0], pool[1], bad, 0.1, out)
     with pytest.raises(ValueError, match="slot is outside the pool"):
         kv_int8.store(q[:, :2], q[:, 2:], pool[0], pool[1], torch.tensor([64]))
+    with pytest.raises(ValueError, match="block table entry"):
+        kv_int8.dequantized_blocks(pool[0], torch.tensor([4]), torch.bfloat16)

@@ -13,6 +13,8 @@
  *   bg_kv_int8_store             new tokens' K and V rows (bf16) quantized into their slots, as
  *                                kv_int8.quantize does: round to nearest even of x * (127 / max|x|),
  *                                then the float32 max|x| / 127
+ *   bg_kv_int8_dequantize        the rows of chosen blocks as bf16, as kv_int8.dequantize does:
+ *                                values * scale in float32, rounded to nearest even
  *
  * Pool: [num_blocks, block_size, num_kv_heads, head_dim + 4] int8; row (token, head) holds
  * head_dim int8 values then the 4 bytes of its float32 scale. Token position p of sequence s is
@@ -446,6 +448,26 @@ int bg_kv_int8_store(const uint16_t *k, int64_t k_stride, const uint16_t *v, int
     return STATUS_OK;
 }
 
+int bg_kv_int8_dequantize(const int8_t *cache, const int64_t *blocks, int num_blocks, int64_t num_pool_blocks,
+                          int64_t rows_per_block, int head_dim, uint16_t *out, int num_threads) {
+    if (head_dim % VECTOR != 0) return STATUS_UNSUPPORTED;
+    for (int b = 0; b < num_blocks; b++)
+        if (blocks[b] < 0 || blocks[b] >= num_pool_blocks) return STATUS_BAD_BLOCK_ID;
+    const int64_t row_bytes = head_dim + SCALE_BYTES;
+#pragma omp parallel for num_threads(num_threads) if (num_blocks >= 16)
+    for (int b = 0; b < num_blocks; b++)
+        for (int64_t r = 0; r < rows_per_block; r++) {
+            const int8_t *row = cache + (blocks[b] * rows_per_block + r) * row_bytes;
+            uint16_t *target = out + ((int64_t)b * rows_per_block + r) * head_dim;
+            const __m512 scale = _mm512_set1_ps(row_scale(row, head_dim));
+            for (int d = 0; d < head_dim; d += VECTOR) {
+                const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
+                _mm256_storeu_si256((__m256i *)(target + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, scale)));
+            }
+        }
+    return STATUS_OK;
+}
+
 int bg_kv_int8_attention_available(void) { return 1; }
 
 #else
@@ -460,6 +482,11 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
 int bg_kv_int8_store(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int8_t *k_cache,
                      int8_t *v_cache, const int64_t *slots, int num_tokens, int num_kv_heads, int head_dim,
                      int64_t num_slots, int num_threads) {
+    return STATUS_UNSUPPORTED;
+}
+
+int bg_kv_int8_dequantize(const int8_t *cache, const int64_t *blocks, int num_blocks, int64_t num_pool_blocks,
+                          int64_t rows_per_block, int head_dim, uint16_t *out, int num_threads) {
     return STATUS_UNSUPPORTED;
 }
 
