@@ -16,7 +16,8 @@ Then, where the CPU has AMX-BF16, the AMX kernels (bfloat16): the causal prefill
 a decode step and the cascade decode (its groups) against the AVX-512 decode kernel's.
 
 Then the decode step over an int8 pool (`kv_cache_dtype: int8`, the same K/V quantized) against
-the bf16 kernels over the bf16 pool.
+the bf16 kernels over the bf16 pool: one layer (its pools fit in the caches), then the layers of
+a step (30, SmolLM2-135M's), one after another, each with pools of its own read from memory.
 
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
 """
@@ -35,6 +36,7 @@ from batchgen.kernels.attention_kernel import PagedSeqs
 from batchgen.kernels.shared_prefixes import prefix_groups
 
 NUM_SEQS, CONTEXT_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 1024, 9, 3, 64, 16
+STEP_LAYERS = 30
 
 
 def make_inputs(dtype: torch.dtype):
@@ -118,6 +120,20 @@ def compare_int8_kv(repeats: int, scale: float) -> None:
     for name, kernel in kernels.items():
         bf16 = kernel_call(q, k_cache, v_cache, block_tables, context_lens, scale)
         report(name, int8_ms, median_ms(kernel, bf16, repeats), int8[-1], bf16[-1])
+    print(f"\nthe same, {STEP_LAYERS} layers' pools one after another (ms for all)")
+    layers = [make_inputs(torch.bfloat16) for _ in range(STEP_LAYERS)]
+    int8_calls = [kernel_call(q, kv_int8.quantize(k), kv_int8.quantize(v), tables, lens, scale)
+                  for q, k, v, tables, lens in layers]
+    int8_ms = median_ms(call_each, (kv_int8.paged_decode_attention, int8_calls), max(3, repeats // 10))
+    for name, kernel in kernels.items():
+        bf16_calls = [kernel_call(*inputs, scale) for inputs in layers]
+        bf16_ms = median_ms(call_each, (kernel, bf16_calls), max(3, repeats // 10))
+        report(name, int8_ms, bf16_ms, int8_calls[-1][-1], bf16_calls[-1][-1])
+
+
+def call_each(kernel, calls: list[tuple]) -> None:
+    for call in calls:
+        kernel(*call)
 
 
 def causal_prefill(num_tokens: int, dtype: torch.dtype, scale: float):

@@ -148,6 +148,24 @@ def test_decode_kernel_is_the_attention_of_the_dequantized_rows_with_8_bit_weigh
 
 
 @needs_kernel
+def test_a_sequences_heads_split_over_threads_attend_as_together():
+    from batchgen.kernels.attention_kernel import PagedSeqs
+    from tests.conftest import torch_threads
+
+    generator = torch.Generator().manual_seed(3)
+    pool = kv_int8.quantize(torch.randn(2, 12, 16, 4, 64, generator=generator))
+    q = torch.randn(3, 8, 64, generator=generator).bfloat16()
+    tables = torch.randperm(12, generator=generator)[:12].view(3, 4).to(torch.int32)
+    lens = torch.tensor([50, 64, 9], dtype=torch.int32)
+    every, alone = torch.empty_like(q), torch.empty_like(q[:1])
+    with torch_threads(2):
+        assert kv_int8.paged_decode_attention(q, pool[0], pool[1], PagedSeqs(tables, lens), 0.125, every)
+        # one sequence, two threads: its four kv heads run as two items
+        assert kv_int8.paged_decode_attention(q[1:2], pool[0], pool[1], PagedSeqs(tables[1:2], lens[1:2]), 0.125, alone)
+    assert torch.equal(alone[0], every[1])
+
+
+@needs_kernel
 def test_int8_kernels_decline_what_they_do_not_run_and_name_a_bad_block_or_slot():
     from batchgen.kernels.attention_kernel import AttentionVariant, PagedSeqs
 
