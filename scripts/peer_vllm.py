@@ -29,7 +29,10 @@ def run(llm, workload: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     greedy = workload["is_greedy"]
-    params = [SamplingParams(n=workload["n"], max_tokens=m, min_tokens=m, ignore_eos=True, seed=workload["seed"],
+    # no per-request seed: vLLM's CPU runner rewinds a seeded request's generator when a chunked
+    # prefill discards its sample, which a CPU generator refuses ("CPU Generator does not use
+    # offset"); the engine's seed keeps its samples reproducible
+    params = [SamplingParams(n=workload["n"], max_tokens=m, min_tokens=m, ignore_eos=True,
                              temperature=0.0 if greedy else 1.0, top_p=1.0, top_k=0 if greedy else -1)
               for m in workload["max_tokens"]]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload["prompt_ids"]]
