@@ -1,7 +1,7 @@
 """Attention on AMX tiles (``csrc/amx_attention.c``): causal attention of a step's prefill
-chunks (with a sliding window, a soft-cap, both or neither) and of decode rows (neither) over
-the paged pool, in bfloat16 with head_dim 64, on a CPU with AMX-BF16, under
-`attention_kernel`'s contract; sinks, and windows and soft-caps of decode rows, are left to the
+chunks (with any of a sliding window, a soft-cap and sinks) and of decode rows (none of them)
+over the paged pool, in bfloat16 with head_dim 64, on a CPU with AMX-BF16, under
+`attention_kernel`'s contract; decode rows with a window, a soft-cap or sinks are left to the
 caller's other kernels.
 
 Invariants:
@@ -43,9 +43,9 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
                             scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
-    """Causal prefill attention, windowed and soft-capped where `variant` says; the chunks of a
-    group attend their prefix together. Does not run where `supports` refuses q's dtype or head
-    size, for sinks, or for a tensor that is not contiguous."""
+    """Causal prefill attention, windowed, soft-capped and with sinks where `variant` says; the
+    chunks of a group attend their prefix together. Does not run where `supports` refuses q's
+    dtype or head size, or for a tensor that is not contiguous."""
     library = _load_kernel()
     return run_c_kernel(library and library.bg_amx_prefill_attention, "amx paged_prefill_attention", q, k_cache,
                         v_cache, seqs, scale, out, variant)

@@ -48,10 +48,11 @@ def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3,
     return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), block_tables
 
 
-def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softcap=0.0, window=0):
+def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softcap=0.0, window=0, sinks=None):
     """Each chunk's causal attention over its context, gathered through its block table, in float64
     (each scaled score x made softcap * tanh(x / softcap) where `softcap` is given; each query at
-    position t seeing only t - window + 1 .. t where `window` is)."""
+    position t seeing only t - window + 1 .. t where `window` is; each head's sink logit in the
+    softmax, with no value, where `sinks` are)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     flat_k = k_cache.reshape(-1, num_kv_heads, HEAD_DIM).double()
@@ -68,7 +69,12 @@ def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softc
         visible = positions[None] <= query_positions
         if window:
             visible &= positions[None] > query_positions - window
-        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink_column = sinks.double()[:, None, None].expand(-1, num_queries, 1)
+            weights = torch.softmax(torch.cat([scores, sink_column], -1), dim=-1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1)
         out[start:start + num_queries] = torch.einsum("hql,lhd->qhd", weights, values)
         start += num_queries
     return out
@@ -124,6 +130,17 @@ def test_windowed_chunks_match_the_reference(window, softcap):
     inputs = paged_step(context_lens, query_lens)
     got = attend(*inputs, context_lens, query_lens, variant=AttentionVariant(window=window, softcap=softcap))
     expected = reference(*inputs, context_lens, query_lens, softcap=softcap, window=window)
+    assert bf16_error(got, expected) < 2
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_chunks_with_sinks_match_the_reference(window):
+    # sinks well below, among and above the scores (SCALE * q.k is about N(0, 1) here)
+    context_lens, query_lens = [300, 97, 41], [300, 27, 1]
+    inputs = paged_step(context_lens, query_lens)
+    sinks = torch.tensor([-20.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 20.0])
+    got = attend(*inputs, context_lens, query_lens, variant=AttentionVariant(window=window, sinks=sinks))
+    expected = reference(*inputs, context_lens, query_lens, window=window, sinks=sinks)
     assert bf16_error(got, expected) < 2
 
 

@@ -3,7 +3,8 @@
  * (soft-capped where `softcap` > 0: the raw scores capped before the softmax, cap_scores; with a
  * `window`, each row attends from its window's start: an item stages each member's own keys
  * from its first row's window on, and a row block skips the key blocks before all its rows'
- * windows), and
+ * windows; with `sinks`, each row's softmax starts from its head's sink logit: start_with_sinks),
+ * and
  * decode rows over it (the "decode" section below), bfloat16, head_dim 64, built where the
  * CPU has AMX-BF16 (elsewhere every call returns STATUS_UNSUPPORTED and
  * bg_amx_attention_available says 0).
@@ -77,6 +78,7 @@ typedef struct {
     float scale_log2; /* the softmax scale times log2(e) */
     float softcap;    /* 0: none; else each raw score s becomes c tanh(s / c), c = softcap / scale */
     int window;       /* 0: none; else a row at position t sees positions t - window + 1 .. t */
+    const float *sinks; /* NULL: none; else [num_heads] one more logit per query head, no value with it */
 } Problem;
 
 typedef struct {
@@ -444,6 +446,16 @@ static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
     }
 }
 
+/* Each real row's softmax state before any key where the heads have sinks: its head's sink
+ * logit as the reference max, with a sum of 1 (the sink's own term, which no value goes with). */
+static void start_with_sinks(const Problem *p, const RowBlock *block, BlockState *b) {
+    for (int r = 0; r < block->rows; r++) {
+        b->max[r] = p->sinks[block->head[r]] * 1.4426950408889634f;
+        b->bound[r] = (b->max[r] + RESCALE_LOG2) / p->scale_log2;
+        b->sums[16 * r] = 1.0f;
+    }
+}
+
 /* The first key of a row at `position` that its window lets it see (0 without a window). */
 static inline int window_start(const Problem *p, int64_t position) {
     return p->window > 0 && position - p->window + 1 > 0 ? (int)(position - p->window + 1) : 0;
@@ -460,6 +472,7 @@ static void attend_block(const Problem *p, const Unit *u, const Staged *staged, 
     row_block(p, u, kv_head, first, rows, &block);
     load_queries(p, &block, b);
     reset_state(b);
+    if (p->sinks) start_with_sinks(p, &block, b);
     for (int r = 0; r < BLOCK_ROWS; r++) own[r] = -1;
     for (int seq = staged->first; seq < staged->end; seq++) {
         int64_t member_first = p->unit_rows[seq], member_end = member_first + p->query_lens[seq];
@@ -1008,12 +1021,12 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
  * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
  * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
 int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
-    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || sinks || !amx_tiles_granted())
+    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f,
-                 window};
+                 window, sinks};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     if (units == NULL || p.unit_rows == NULL) {
