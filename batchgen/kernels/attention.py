@@ -30,8 +30,8 @@ shared prefix once: cascade; a gather + SDPA fallback where neither is available
 chunks in one call of the C prefill kernel on CPU where it applies (AVX-512 or AVX2,
 float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16 with
 head_dim 64, both kinds go through the AMX kernels (`amx_attention`, prefill chunks with their
-windows and soft-caps too), decode rows through the vector kernel's cascade where the AMX one
-does not apply; elsewhere on such a CPU (another head size), in bfloat16, a windowed layer's
+windows, soft-caps and sinks too), decode rows through the vector kernel's cascade where the
+AMX one does not apply; elsewhere on such a CPU (another head size), in bfloat16, a windowed layer's
 prefill runs on flash SDPA in bands (`window_bands`) before the C kernel. Over an int8 pool (`kv_int8`) decode
 rows run on `kv_int8`'s C kernel, which computes on the int8 rows as stored; prefill chunks run
 on the float pool's prefill kernels over the blocks they read, dequantized, else (and decode
