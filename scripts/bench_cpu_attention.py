@@ -17,9 +17,10 @@ a decode step and the cascade decode (its groups) against the AVX-512 decode ker
 
 Then the decode step over an int8 pool (`kv_cache_dtype: int8`, the same K/V quantized) against
 the bf16 kernels over the bf16 pool: one layer (its pools fit in the caches), then the layers of
-a step (30, SmolLM2-135M's), one after another, each with pools of its own read from memory.
+a step (`--step-layers`, 30 as SmolLM2-135M's), one after another, each with pools of its own
+read from memory.
 
-    python scripts/bench_cpu_attention.py [--repeats 50] [--threads N]
+    python scripts/bench_cpu_attention.py [--repeats 50] [--threads N] [--step-layers 30]
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from batchgen.kernels.attention_kernel import PagedSeqs
 from batchgen.kernels.shared_prefixes import prefix_groups
 
 NUM_SEQS, CONTEXT_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 1024, 9, 3, 64, 16
-STEP_LAYERS = 30
 
 
 def make_inputs(dtype: torch.dtype):
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--step-layers", type=int, default=30, help="layers of the int8 K/V step comparison")
     options = parser.parse_args(argv)
     repeats = options.repeats
     torch.set_num_threads(options.threads)
@@ -101,10 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     compare_prefill(max(3, repeats // 10), scale)
     compare_cascade(repeats, scale)
     compare_amx(max(3, repeats // 10), scale)
-    compare_int8_kv(repeats, scale)
+    compare_int8_kv(repeats, scale, options.step_layers)
 
 
-def compare_int8_kv(repeats: int, scale: float) -> None:
+def compare_int8_kv(repeats: int, scale: float, step_layers: int) -> None:
     """One decode step over the int8 pool against the bf16 kernels over the bf16 pool it quantizes."""
     print(f"\nint8 K/V decode {NUM_SEQS}x{CONTEXT_LEN}, bfloat16 queries\n{'bf16 kernel':<16}{'int8 ms':>8}"
           f"{'bf16 ms':>10}{'speedup':>9}{'max abs diff':>14}")
@@ -120,8 +121,8 @@ def compare_int8_kv(repeats: int, scale: float) -> None:
     for name, kernel in kernels.items():
         bf16 = kernel_call(q, k_cache, v_cache, block_tables, context_lens, scale)
         report(name, int8_ms, median_ms(kernel, bf16, repeats), int8[-1], bf16[-1])
-    print(f"\nthe same, {STEP_LAYERS} layers' pools one after another (ms for all)")
-    layers = [make_inputs(torch.bfloat16) for _ in range(STEP_LAYERS)]
+    print(f"\nthe same, {step_layers} layers' pools one after another (ms for all)")
+    layers = [make_inputs(torch.bfloat16) for _ in range(step_layers)]
     int8_calls = [kernel_call(q, kv_int8.quantize(k), kv_int8.quantize(v), tables, lens, scale)
                   for q, k, v, tables, lens in layers]
     int8_ms = median_ms(call_each, (kv_int8.paged_decode_attention, int8_calls), max(3, repeats // 10))

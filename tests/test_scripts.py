@@ -223,7 +223,7 @@ def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
     from batchgen.kernels import amx_attention, cpu_attention, kv_int8
     if not cpu_attention.is_available():
         pytest.skip("no C compiler for the CPU kernel")
-    bench_cpu_attention.main(["--repeats", "1"])
+    bench_cpu_attention.main(["--repeats", "1", "--step-layers", "2"])
     lines = capsys.readouterr().out.splitlines()
     decode = lines[lines.index(next(line for line in lines if "gather+sdpa ms" in line)) + 1:][:2]
     assert [line.split()[0] for line in decode] == ["float32", "bfloat16"] and float(decode[0].split()[-1]) < 1e-4
@@ -242,9 +242,10 @@ def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
     amx = lines[amx_header + 2:int8_header - 1]  # a blank line before the next header
     int8 = lines[int8_header + 2:]
     if kv_int8.is_available():
-        assert [line.split()[0] for line in int8] == ["avx-512"] + ["amx"] * amx_attention.supports(
-            torch.bfloat16, bench_cpu_attention.HEAD_DIM)
-        assert all(float(line.split()[-1]) < 1e-2 for line in int8)  # int8 K/V against the bf16 pool it quantizes
+        kernels = ["avx-512"] + ["amx"] * amx_attention.supports(torch.bfloat16, bench_cpu_attention.HEAD_DIM)
+        one_layer, step = int8[:len(kernels)], int8[len(kernels) + 2:]  # a blank line and the step's header
+        assert [line.split()[0] for line in one_layer] == [line.split()[0] for line in step] == kernels
+        assert all(float(line.split()[-1]) < 1e-2 for line in one_layer + step)  # against the bf16 pool it quantizes
     else:
         assert int8 == ["the int8 K/V kernel does not run here (needs AVX-512 and AVX512-BF16)"]
     if amx_attention.supports(torch.bfloat16, bench_cpu_attention.HEAD_DIM):
