@@ -28,11 +28,10 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import torch
-
-import dataclasses
 
 from batchgen.kernels.attention_kernel import FULL, AttentionKernel, AttentionVariant, PagedSeqs
 from batchgen.kernels.c_library import load_library
@@ -169,8 +168,6 @@ def over_dequantized_blocks(kernel: AttentionKernel | None) -> AttentionKernel |
         return None
 
     def run(q, k_cache, v_cache, seqs: PagedSeqs, scale, out, variant: AttentionVariant = FULL) -> bool:
-        if not is_int8(k_cache):
-            return kernel(q, k_cache, v_cache, seqs, scale, out, variant)
         block_size = k_cache.shape[1]
         blocks_read = (seqs.context_lens.long() + block_size - 1) // block_size
         read = torch.arange(seqs.block_tables.shape[1], device=q.device)[None, :] < blocks_read[:, None]

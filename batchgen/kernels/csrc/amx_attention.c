@@ -215,12 +215,16 @@ static int own_keys_seen(const Problem *p, const Unit *u, int seq, int64_t end_r
     return own_length(p, u, seq) - (past > 0 ? (int)past : 0);
 }
 
+/* The first key of a row at `position` that its window lets it see (0 without a window). */
+static inline int window_start(const Problem *p, int64_t position) {
+    return p->window > 0 && position - p->window + 1 > 0 ? (int)(position - p->window + 1) : 0;
+}
+
 /* The first own key of member `seq` of unit `u` that its rows from unit row `first_row` on see:
  * its first such row's window start (0 without a window). */
 static int own_keys_from(const Problem *p, const Unit *u, int seq, int64_t first_row) {
     int64_t row = first_row > p->unit_rows[seq] ? first_row : p->unit_rows[seq];
-    int64_t own = own_length(p, u, seq) - p->query_lens[seq] + (row - p->unit_rows[seq]); /* its own key */
-    return p->window > 0 && own - p->window + 1 > 0 ? (int)(own - p->window + 1) : 0;
+    return window_start(p, own_length(p, u, seq) - p->query_lens[seq] + (row - p->unit_rows[seq])); /* its own key */
 }
 
 /* The keys seen by unit rows first_row .. end_row - 1 of unit `u` for `kv_head`, into `staged`
@@ -454,11 +458,6 @@ static void start_with_sinks(const Problem *p, const RowBlock *block, BlockState
         b->bound[r] = (b->max[r] + RESCALE_LOG2) / p->scale_log2;
         b->sums[16 * r] = 1.0f;
     }
-}
-
-/* The first key of a row at `position` that its window lets it see (0 without a window). */
-static inline int window_start(const Problem *p, int64_t position) {
-    return p->window > 0 && position - p->window + 1 > 0 ? (int)(position - p->window + 1) : 0;
 }
 
 /* Rows first .. first + rows - 1 (rows <= 16) of an item of unit `u` and kv head `kv_head`,
