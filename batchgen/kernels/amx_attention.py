@@ -1,6 +1,6 @@
 """Attention on AMX tiles (``csrc/amx_attention.c``): causal attention of a step's prefill
-chunks (with any of a sliding window, a soft-cap and sinks) and of decode rows (none of them)
-over the paged pool, in bfloat16 with head_dim 64, on a CPU with AMX-BF16, under
+chunks (with any of a sliding window, a soft-cap and sinks; head_dim 64, 128, 192 or 256) and of
+decode rows (none of them; head_dim 64) over the paged pool, in bfloat16, on a CPU with AMX-BF16, under
 `attention_kernel`'s contract; decode rows with a window, a soft-cap or sinks are left to the
 caller's other kernels.
 
@@ -22,7 +22,8 @@ import torch
 from batchgen.kernels.attention_kernel import C_ARGTYPES, FULL, AttentionVariant, PagedSeqs, run_c_kernel
 from batchgen.kernels.c_library import load_library
 
-HEAD_DIM = 64
+HEAD_DIM = 64  # the decode kernel's head size
+PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # the prefill kernel's: its queries and accumulators in tiles at 64
 
 
 @functools.cache
@@ -37,8 +38,13 @@ def _load_kernel() -> ctypes.CDLL | None:
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernels run this dtype and head size here."""
-    return dtype == torch.bfloat16 and head_dim == HEAD_DIM and _load_kernel() is not None
+    """Whether both kernels run this dtype and head size here."""
+    return head_dim == HEAD_DIM and supports_prefill(dtype, head_dim)
+
+
+def supports_prefill(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the prefill kernel runs this dtype and head size here (bf16, a multiple of 64 up to 256)."""
+    return dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS and _load_kernel() is not None
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,

@@ -57,7 +57,7 @@ class CKernel:
 
 C_KERNELS = (
     CKernel("paged_attention.c", "CPU paged attention (decode, prefill)", cpu_attention.is_available),
-    CKernel("amx_attention.c", "AMX attention (bfloat16, head_dim 64)",
+    CKernel("amx_attention.c", "AMX attention (bfloat16; prefill head_dim 64-256, decode 64)",
             lambda: amx_attention.supports(torch.bfloat16, amx_attention.HEAD_DIM),
             "AMX-BF16 and the OS's permission to use its tile registers"),
     CKernel("decoder_ops.c", "fused decoder ops (RMSNorm, rotary + K/V store, SiLU)", decoder_ops.is_available),

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not amx_attention.supports(torch.bfloat16, 64),
 HEAD_DIM, SCALE = 64, 0.125
 
 
-def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3, block_size=16, seed=0):
+def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3, block_size=16, seed=0,
+               head_dim=HEAD_DIM):
     """Random bf16 queries and pool: each sequence its own shuffled blocks, except that for each
     (first, end, tokens) in `shared` members first..end-1 hold member first's blocks for their
     first `tokens` positions; slots no sequence holds are NaN."""
@@ -34,17 +35,17 @@ def paged_step(context_lens, query_lens, shared=(), num_heads=9, num_kv_heads=3,
     for first, end, tokens in shared:
         for member in range(first + 1, end):
             tables[member][:tokens // block_size] = tables[first][:tokens // block_size]
-    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"))
     v_cache = torch.full(shape, float("nan"))
     for table, context in zip(tables, context_lens):
         for position in range(context):
             block, offset = table[position // block_size], position % block_size
-            k_cache[block, offset] = torch.randn(num_kv_heads, HEAD_DIM, generator=generator)
-            v_cache[block, offset] = torch.randn(num_kv_heads, HEAD_DIM, generator=generator)
+            k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator)
+            v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator)
     width = max(map(len, tables)) + 1
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=generator)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator) * (HEAD_DIM / head_dim) ** 0.5
     return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), block_tables
 
 
@@ -53,10 +54,10 @@ def reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, softc
     (each scaled score x made softcap * tanh(x / softcap) where `softcap` is given; each query at
     position t seeing only t - window + 1 .. t where `window` is; each head's sink logit in the
     softmax, with no value, where `sinks` are)."""
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
-    flat_k = k_cache.reshape(-1, num_kv_heads, HEAD_DIM).double()
-    flat_v = v_cache.reshape(-1, num_kv_heads, HEAD_DIM).double()
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double()
     out, start = torch.empty(q.shape, dtype=torch.float64), 0
     for s, (context, num_queries) in enumerate(zip(context_lens, query_lens)):
         positions = torch.arange(context)
@@ -198,6 +199,35 @@ def test_a_max_that_keeps_rising_rescales_the_sums():
     assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, [context], [num_queries])) < 2
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("variant", [FULL, AttentionVariant(window=40, softcap=0.5),
+                                     AttentionVariant(sinks=torch.tensor([-1.0, 0.0, 2.0, 20.0]))])
+def test_larger_heads_match_the_reference(head_dim, variant):
+    # queries and accumulators kept in memory, not in tiles (Gemma's 256): a whole prompt, a chunk
+    # after cached tokens, a single token, and a group of three over a 32-token prefix
+    context_lens, query_lens = [300, 97, 41, 40, 45, 60], [300, 27, 1, 8, 13, 28]
+    shared = [(3, 6, 32)]
+    inputs = paged_step(context_lens, query_lens, shared, num_heads=4, num_kv_heads=1, head_dim=head_dim)
+    got = attend(*inputs, context_lens, query_lens, groups=shared, variant=variant)
+    expected = reference(*inputs, context_lens, query_lens, softcap=variant.softcap, window=variant.window,
+                         sinks=variant.sinks)
+    assert bf16_error(got, expected) < 2
+
+
+def test_a_rising_max_rescales_accumulators_kept_in_memory():
+    # as below, at head_dim 256: scores rise far past the rescale threshold from key block to key block
+    context, num_queries, head_dim = 200, 20, 256
+    q, k_cache, v_cache, block_tables = paged_step([context], [num_queries], num_heads=2, num_kv_heads=2,
+                                                   head_dim=head_dim)
+    q = torch.ones_like(q) / 4
+    flat_k = k_cache.view(-1, 2, head_dim)
+    positions = torch.arange(context)
+    slots = block_tables[0, positions // 16].long() * 16 + positions % 16
+    flat_k[slots] = (positions[:, None, None] / 5.0).expand(-1, 2, head_dim).bfloat16()
+    got = attend(q, k_cache, v_cache, block_tables, [context], [num_queries])
+    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, [context], [num_queries])) < 2
+
+
 @pytest.mark.parametrize("groups, message", [
     ([(0, 1, 16)], "group"),  # one member
     ([(0, 2, 32)], "group"),  # member 1 does not hold member 0's second block
@@ -214,7 +244,9 @@ def test_bad_groups_are_refused(groups, message):
 def test_what_it_does_not_run_is_left_to_the_caller():
     q, k_cache, v_cache, block_tables = paged_step([8], [8])
     seqs = prefill_seqs(block_tables, [8], [0], [8])
-    for args in ((q.float(), k_cache.float(), v_cache.float()), (q[..., :32], k_cache[..., :32], v_cache[..., :32]),
+    for args in ((q.float(), k_cache.float(), v_cache.float()),
+                 *((q[..., :d].contiguous(), k_cache[..., :d].contiguous(), v_cache[..., :d].contiguous())
+                   for d in (32, 48)),
                  (q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache)):
         out = torch.full_like(args[0], float("nan"))
         assert not amx_attention.paged_prefill_attention(*args, seqs, SCALE, out)

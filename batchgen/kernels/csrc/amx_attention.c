@@ -5,11 +5,11 @@
  * from its first row's window on, and a row block skips the key blocks before all its rows'
  * windows; with `sinks`, each row's softmax starts from its head's sink logit: start_with_sinks),
  * and
- * decode rows over it (the "decode" section below), bfloat16, head_dim 64, built where the
- * CPU has AMX-BF16 (elsewhere every call returns STATUS_UNSUPPORTED and
- * bg_amx_attention_available says 0).
+ * decode rows over it (the "decode" section below), bfloat16, built where the CPU has AMX-BF16
+ * (elsewhere every call returns STATUS_UNSUPPORTED and bg_amx_attention_available says 0).
+ * Prefill takes head_dim 64, 128, 192 or 256, decode 64.
  *
- * Layout, signature and statuses: attention_kernel.h, status.h (head_dim 64, dtype bfloat16).
+ * Layout, signature and statuses: attention_kernel.h, status.h (dtype bfloat16).
  *
  * Units and segments. A group (first, end, prefix) is adjacent sequences whose contexts hold
  * the same blocks for their first `prefix` positions and whose queries all come after them
@@ -29,9 +29,12 @@
  * keys past a segment's end are zero and masked. Then every query head of the kv head attends
  * them, row block by row block, while they are in the core's cache (staged for the whole step
  * first, a step of 64 grouped decode rows took 1.7 ms a layer, its staging past the cache).
- * A row block keeps its 16 x 64 output in four float32 accumulator tiles across all its
- * key blocks; per key block: two 16 x 16 score tiles, the softmax in AVX-512 over the stored
- * scores, then one product of the probabilities (bf16) with the four V tiles.
+ * At head_dim 64 a row block keeps its queries in two tiles and its 16 x 64 output in four
+ * float32 accumulator tiles across all its key blocks; per key block: two 16 x 16 score tiles,
+ * the softmax in AVX-512 over the stored scores, then one product of the probabilities (bf16)
+ * with the four V tiles. A larger head keeps its queries and accumulators in memory: each score
+ * tile loads the query tiles 32 dims at a time, and the value product runs 64 dims at a time,
+ * its four accumulator tiles loaded before and stored after.
  *
  * Softmax. Scores are in log2 units (scale * log2(e)). A row's probabilities are
  * 2^(score - m) for a reference m that moves only when a score exceeds it by more than
@@ -52,14 +55,14 @@
 
 #include "amx.h"
 
-#define HEAD_DIM 64
+#define HEAD_DIM 64                            /* the decode's head size; the prefill's with its queries and
+                                                  accumulators in tile registers */
+#define MAX_HEAD_DIM 256                       /* the prefill's largest (a multiple of HEAD_DIM) */
 #define BLOCK_ROWS 16                          /* query rows of a row block: one tile's rows */
 #define BLOCK_KEYS 32                          /* keys of a key block: one bf16 A tile's row */
 #define ITEM_BLOCKS 24                         /* row blocks of a work item: 128 unit rows of a kv head with 3 query heads */
 #define RESCALE_LOG2 8.0f                      /* the reference max moves past this excess */
 #define TILE_BYTES 1024                        /* 16 rows of 64 bytes */
-#define KEY_BLOCK_BYTES (8 * TILE_BYTES)       /* 4 K tiles (key half x dim half), 4 V tiles */
-#define V_TILES (4 * TILE_BYTES)               /* offset of the V tiles in a key block */
 
 /* Tile registers: the row block's output (dims 16j .. 16j + 15 in tmm j), its queries (dims
  * 0-31, 32-63), the scores then probabilities, and one K or V operand. */
@@ -79,7 +82,16 @@ typedef struct {
     float softcap;    /* 0: none; else each raw score s becomes c tanh(s / c), c = softcap / scale */
     int window;       /* 0: none; else a row at position t sees positions t - window + 1 .. t */
     const float *sinks; /* NULL: none; else [num_heads] one more logit per query head, no value with it */
+    int head_dim;       /* a multiple of HEAD_DIM, at most MAX_HEAD_DIM */
+    int64_t key_block_bytes; /* a staged key block: head_dim / 16 K tiles (key half x 32 dims), head_dim / 16 V tiles */
 } Problem;
+
+/* The offset of a staged key block's V tiles (16 dims each), after its K tiles. */
+static inline int64_t value_offset(const Problem *p) { return p->key_block_bytes / 2; }
+
+/* Whether a row block's queries and accumulators stay in tile registers (head_dim HEAD_DIM);
+ * larger heads keep them in memory, loading each tile as a product needs it. */
+static inline int in_tiles(const Problem *p) { return p->head_dim == HEAD_DIM; }
 
 typedef struct {
     int first, end, prefix;   /* member sequences first .. end - 1, sharing positions [0, prefix) */
@@ -101,9 +113,9 @@ typedef struct {
 typedef struct {
     _Alignas(64) float scores[2][BLOCK_ROWS * BLOCK_KEYS]; /* a key block's, and the next one's */
     _Alignas(64) uint16_t probs[BLOCK_ROWS * BLOCK_KEYS];
-    _Alignas(64) float acc[BLOCK_ROWS * HEAD_DIM];  /* the accumulator tiles when stored */
+    _Alignas(64) float acc[BLOCK_ROWS * MAX_HEAD_DIM]; /* the accumulators (row stride head_dim) */
     _Alignas(64) float sums[BLOCK_ROWS * 16];       /* each row's sum, as 16 partial sums */
-    _Alignas(64) uint16_t q[BLOCK_ROWS * HEAD_DIM];
+    _Alignas(64) uint16_t q[BLOCK_ROWS * MAX_HEAD_DIM];
     float max[BLOCK_ROWS];                          /* each row's reference max (-inf: none yet) */
     float bound[BLOCK_ROWS];                        /* the raw score past which it moves */
     float factor[BLOCK_ROWS];                       /* the accumulator factor of a row whose max moved */
@@ -138,7 +150,7 @@ static const uint16_t *pool_row(const Problem *p, const uint16_t *cache, const i
     int32_t block = table[pos / p->block_size];
     if (block < 0 || block >= p->num_blocks) return NULL;
     int64_t slot = (int64_t)block * p->block_size + pos % p->block_size;
-    return cache + (slot * p->num_kv_heads + kv_head) * HEAD_DIM;
+    return cache + (slot * p->num_kv_heads + kv_head) * p->head_dim;
 }
 
 /* r transposed as a 16 x 16 matrix of 32-bit elements: at each step s, the off-diagonal s x s
@@ -170,7 +182,8 @@ static int stage_segment(const Problem *p, const int32_t *table, int first, int 
         for (int c = 0; c < 16; c++) index[2 * c] = (uint16_t)c, index[2 * c + 1] = (uint16_t)(16 + c);
         interleave_index = _mm512_loadu_si512(index);
     }
-    for (int k0 = 0; k0 < n; k0 += BLOCK_KEYS, dst += KEY_BLOCK_BYTES) {
+    const int dim_tiles = p->head_dim / 32;
+    for (int k0 = 0; k0 < n; k0 += BLOCK_KEYS, dst += p->key_block_bytes) {
         const uint16_t *k_rows[BLOCK_KEYS], *v_rows[BLOCK_KEYS];
         for (int i = 0; i < BLOCK_KEYS; i++) {
             k_rows[i] = v_rows[i] = NULL;
@@ -180,23 +193,23 @@ static int stage_segment(const Problem *p, const int32_t *table, int first, int 
             if (k_rows[i] == NULL) return STATUS_BAD_BLOCK_ID;
         }
         for (int half = 0; half < 2; half++)     /* keys 16 half .. + 15 */
-            for (int dims = 0; dims < 2; dims++) { /* dims 32 dims .. + 31 */
+            for (int dims = 0; dims < dim_tiles; dims++) { /* dims 32 dims .. + 31 */
                 __m512i r[16];
                 for (int i = 0; i < 16; i++) {
                     const uint16_t *row = k_rows[16 * half + i];
                     r[i] = row ? _mm512_loadu_si512(row + 32 * dims) : _mm512_setzero_si512();
                 }
                 transpose16(r);
-                char *tile = dst + (2 * half + dims) * TILE_BYTES;
+                char *tile = dst + (half * dim_tiles + dims) * TILE_BYTES;
                 for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 64 * i, r[i]);
             }
         for (int pair = 0; pair < 16; pair++) {
             const uint16_t *a = v_rows[2 * pair], *b = v_rows[2 * pair + 1];
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < p->head_dim / 16; j++) {
                 __m256i first_key = a ? _mm256_loadu_si256((const __m256i *)(a + 16 * j)) : _mm256_setzero_si256();
                 __m256i second_key = b ? _mm256_loadu_si256((const __m256i *)(b + 16 * j)) : _mm256_setzero_si256();
                 __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first_key), second_key, 1);
-                _mm512_store_si512(dst + V_TILES + j * TILE_BYTES + 64 * pair,
+                _mm512_store_si512(dst + value_offset(p) + j * TILE_BYTES + 64 * pair,
                                    _mm512_permutexvar_epi16(interleave_index, both));
             }
         }
@@ -238,12 +251,12 @@ static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t firs
             staged->first = seq < staged->first ? seq : staged->first;
             staged->end = seq + 1;
         }
-    int64_t bytes = (int64_t)key_blocks(u->prefix) * KEY_BLOCK_BYTES;
+    int64_t bytes = (int64_t)key_blocks(u->prefix) * p->key_block_bytes;
     for (int seq = staged->first; seq < staged->end; seq++) {
         staged->own_offsets[seq - staged->first] = bytes;
         staged->own_from[seq - staged->first] = own_keys_from(p, u, seq, first_row);
         staged->own_keys[seq - staged->first] = own_keys_seen(p, u, seq, end_row) - staged->own_from[seq - staged->first];
-        bytes += (int64_t)key_blocks(staged->own_keys[seq - staged->first]) * KEY_BLOCK_BYTES;
+        bytes += (int64_t)key_blocks(staged->own_keys[seq - staged->first]) * p->key_block_bytes;
     }
     if (bytes > staged->capacity) {
         free(staged->keys);
@@ -287,33 +300,48 @@ static void row_block(const Problem *p, const Unit *u, int kv_head, int64_t firs
 }
 
 static void load_queries(const Problem *p, const RowBlock *block, BlockState *b) {
+    const int d = p->head_dim;
     for (int r = 0; r < BLOCK_ROWS; r++) {
-        uint16_t *dst = b->q + r * HEAD_DIM;
-        if (r < block->rows) memcpy(dst, p->q + (block->packed[r] * p->num_heads + block->head[r]) * HEAD_DIM, 2 * HEAD_DIM);
-        else memset(dst, 0, 2 * HEAD_DIM);
+        uint16_t *dst = b->q + r * d;
+        if (r < block->rows) memcpy(dst, p->q + (block->packed[r] * p->num_heads + block->head[r]) * d, 2 * d);
+        else memset(dst, 0, 2 * d);
     }
-    _tile_loadd(Q_LOW, b->q, 2 * HEAD_DIM);
-    _tile_loadd(Q_HIGH, b->q + 32, 2 * HEAD_DIM);
+    if (in_tiles(p)) {
+        _tile_loadd(Q_LOW, b->q, 2 * HEAD_DIM);
+        _tile_loadd(Q_HIGH, b->q + 32, 2 * HEAD_DIM);
+    }
 }
 
-static void reset_state(BlockState *b) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+static void reset_state(const Problem *p, BlockState *b) {
+    if (in_tiles(p)) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        memset(b->acc, 0, sizeof(float) * BLOCK_ROWS * p->head_dim);
+    }
     for (int r = 0; r < BLOCK_ROWS; r++) b->max[r] = b->bound[r] = -INFINITY;
     memset(b->sums, 0, sizeof(b->sums));
     b->is_empty = 1;
 }
 
-/* Scores of the row block's queries with the key block's 32 keys, into `scores` [16][32]. */
-static void score_tiles(const char *key_block, float *scores) {
+/* Scores of the row block's queries with the key block's 32 keys, into `scores` [16][32]: per
+ * 16 keys, the products of 32 dims at a time (the query tiles loaded for each where they are not
+ * held in tiles). */
+static void score_tiles(const Problem *p, const char *key_block, const BlockState *b, float *scores) {
+    const int dim_tiles = p->head_dim / 32, q_stride = 2 * p->head_dim;
     for (int half = 0; half < 2; half++) {
         _tile_zero(SCORES);
-        _tile_loadd(OPERAND, key_block + (2 * half) * TILE_BYTES, 64);
-        _tile_dpbf16ps(SCORES, Q_LOW, OPERAND);
-        _tile_loadd(OPERAND, key_block + (2 * half + 1) * TILE_BYTES, 64);
-        _tile_dpbf16ps(SCORES, Q_HIGH, OPERAND);
+        for (int d = 0; d < dim_tiles; d += 2) {
+            const char *k_tiles = key_block + (half * dim_tiles + d) * TILE_BYTES;
+            if (!in_tiles(p)) _tile_loadd(Q_LOW, b->q + 32 * d, q_stride);
+            _tile_loadd(OPERAND, k_tiles, 64);
+            _tile_dpbf16ps(SCORES, Q_LOW, OPERAND);
+            if (!in_tiles(p)) _tile_loadd(Q_HIGH, b->q + 32 * (d + 1), q_stride);
+            _tile_loadd(OPERAND, k_tiles + TILE_BYTES, 64);
+            _tile_dpbf16ps(SCORES, Q_HIGH, OPERAND);
+        }
         _tile_stored(SCORES, scores + 16 * half, 4 * BLOCK_KEYS);
     }
 }
@@ -366,32 +394,49 @@ static void store_accumulators(BlockState *b) {
     _tile_stored(3, b->acc + 48, 4 * HEAD_DIM);
 }
 
-/* Each `moved` row's accumulator row times its factor (the tiles stored, scaled, loaded back). */
-static void rescale_accumulators(unsigned moved, BlockState *b) {
-    store_accumulators(b);
+static void load_accumulators(const float *acc, int row_bytes) {
+    _tile_loadd(0, acc, row_bytes);
+    _tile_loadd(1, acc + 16, row_bytes);
+    _tile_loadd(2, acc + 32, row_bytes);
+    _tile_loadd(3, acc + 48, row_bytes);
+}
+
+/* Each `moved` row's accumulator row times its factor (tiles held in registers stored, scaled,
+ * loaded back). */
+static void rescale_accumulators(const Problem *p, unsigned moved, BlockState *b) {
+    const int d = p->head_dim;
+    if (in_tiles(p)) store_accumulators(b);
     for (int r = 0; r < BLOCK_ROWS; r++) {
         if (!(moved >> r & 1)) continue;
         __m512 factor = _mm512_set1_ps(b->factor[r]);
-        for (int j = 0; j < HEAD_DIM; j += 16)
-            _mm512_store_ps(b->acc + r * HEAD_DIM + j, _mm512_mul_ps(_mm512_load_ps(b->acc + r * HEAD_DIM + j), factor));
+        for (int j = 0; j < d; j += 16)
+            _mm512_store_ps(b->acc + r * d + j, _mm512_mul_ps(_mm512_load_ps(b->acc + r * d + j), factor));
     }
-    _tile_loadd(0, b->acc, 4 * HEAD_DIM);
-    _tile_loadd(1, b->acc + 16, 4 * HEAD_DIM);
-    _tile_loadd(2, b->acc + 32, 4 * HEAD_DIM);
-    _tile_loadd(3, b->acc + 48, 4 * HEAD_DIM);
+    if (in_tiles(p)) load_accumulators(b->acc, 4 * HEAD_DIM);
 }
 
-/* The accumulators += the probabilities' product with the key block's values. */
-static void value_tiles(const char *key_block, BlockState *b) {
+/* The accumulators += the probabilities' product with the key block's values, 64 dims (four
+ * accumulator tiles) at a time; accumulators not held in tiles are loaded and stored around it. */
+static void value_tiles(const Problem *p, const char *key_block, BlockState *b) {
+    const char *v_tiles = key_block + value_offset(p);
     _tile_loadd(SCORES, b->probs, 2 * BLOCK_KEYS);
-    _tile_loadd(OPERAND, key_block + V_TILES, 64);
-    _tile_dpbf16ps(0, SCORES, OPERAND);
-    _tile_loadd(OPERAND, key_block + V_TILES + TILE_BYTES, 64);
-    _tile_dpbf16ps(1, SCORES, OPERAND);
-    _tile_loadd(OPERAND, key_block + V_TILES + 2 * TILE_BYTES, 64);
-    _tile_dpbf16ps(2, SCORES, OPERAND);
-    _tile_loadd(OPERAND, key_block + V_TILES + 3 * TILE_BYTES, 64);
-    _tile_dpbf16ps(3, SCORES, OPERAND);
+    for (int j = 0; j < p->head_dim; j += HEAD_DIM, v_tiles += 4 * TILE_BYTES) {
+        if (!in_tiles(p)) load_accumulators(b->acc + j, 4 * p->head_dim);
+        _tile_loadd(OPERAND, v_tiles, 64);
+        _tile_dpbf16ps(0, SCORES, OPERAND);
+        _tile_loadd(OPERAND, v_tiles + TILE_BYTES, 64);
+        _tile_dpbf16ps(1, SCORES, OPERAND);
+        _tile_loadd(OPERAND, v_tiles + 2 * TILE_BYTES, 64);
+        _tile_dpbf16ps(2, SCORES, OPERAND);
+        _tile_loadd(OPERAND, v_tiles + 3 * TILE_BYTES, 64);
+        _tile_dpbf16ps(3, SCORES, OPERAND);
+        if (!in_tiles(p)) {
+            _tile_stored(0, b->acc + j, 4 * p->head_dim);
+            _tile_stored(1, b->acc + j + 16, 4 * p->head_dim);
+            _tile_stored(2, b->acc + j + 32, 4 * p->head_dim);
+            _tile_stored(3, b->acc + j + 48, 4 * p->head_dim);
+        }
+    }
 }
 
 /* The soft-cap on a key block's raw scores in place: s -> c tanh(s / c), c = p->softcap (the
@@ -424,29 +469,30 @@ static void attend_segment(const Problem *p, const char *segment, const int *sta
         }
     if (most == 0) return;
     int first = least / BLOCK_KEYS * BLOCK_KEYS;
-    score_tiles(segment + (int64_t)(first / BLOCK_KEYS) * KEY_BLOCK_BYTES, b->scores[0]);
+    score_tiles(p, segment + (int64_t)(first / BLOCK_KEYS) * p->key_block_bytes, b, b->scores[0]);
     for (int k0 = first, i = 0; k0 < most; k0 += BLOCK_KEYS, i ^= 1) {
-        const char *key_block = segment + (int64_t)(k0 / BLOCK_KEYS) * KEY_BLOCK_BYTES;
-        if (k0 + BLOCK_KEYS < most) score_tiles(key_block + KEY_BLOCK_BYTES, b->scores[i ^ 1]);
+        const char *key_block = segment + (int64_t)(k0 / BLOCK_KEYS) * p->key_block_bytes;
+        if (k0 + BLOCK_KEYS < most) score_tiles(p, key_block + p->key_block_bytes, b, b->scores[i ^ 1]);
         int hidden[BLOCK_ROWS], visible[BLOCK_ROWS];
         for (int r = 0; r < BLOCK_ROWS; r++) hidden[r] = start[r] - k0, visible[r] = limit[r] - k0;
         if (p->softcap > 0.0f) cap_scores(p, b->scores[i]);
         unsigned moved = softmax_block(b->scores[i], hidden, visible, p->scale_log2, b);
-        if (moved && !b->is_empty) rescale_accumulators(moved, b);
-        value_tiles(key_block, b);
+        if (moved && !b->is_empty) rescale_accumulators(p, moved, b);
+        value_tiles(p, key_block, b);
         b->is_empty = 0;
     }
 }
 
 /* Each real row's output: its accumulator row over its sum, as bf16. */
 static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
-    store_accumulators(b);
+    const int d = p->head_dim;
+    if (in_tiles(p)) store_accumulators(b);
     for (int r = 0; r < block->rows; r++) {
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r)));
-        uint16_t *dst = p->out + (block->packed[r] * p->num_heads + block->head[r]) * HEAD_DIM;
-        for (int j = 0; j < HEAD_DIM; j += 16)
+        uint16_t *dst = p->out + (block->packed[r] * p->num_heads + block->head[r]) * d;
+        for (int j = 0; j < d; j += 16)
             _mm256_storeu_si256((__m256i *)(dst + j),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(b->acc + r * HEAD_DIM + j), inverse)));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(b->acc + r * d + j), inverse)));
     }
 }
 
@@ -470,7 +516,7 @@ static void attend_block(const Problem *p, const Unit *u, const Staged *staged, 
     RowBlock block;
     row_block(p, u, kv_head, first, rows, &block);
     load_queries(p, &block, b);
-    reset_state(b);
+    reset_state(p, b);
     if (p->sinks) start_with_sinks(p, &block, b);
     for (int r = 0; r < BLOCK_ROWS; r++) own[r] = -1;
     for (int seq = staged->first; seq < staged->end; seq++) {
@@ -1020,12 +1066,13 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
  * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
  * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
 int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
-    if (dtype != DTYPE_BF16 || head_dim != HEAD_DIM || !amx_tiles_granted())
+    if (dtype != DTYPE_BF16 || head_dim % HEAD_DIM || head_dim < HEAD_DIM || head_dim > MAX_HEAD_DIM ||
+        !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f,
-                 window, sinks};
+                 window, sinks, head_dim, (int64_t)head_dim / 8 * TILE_BYTES};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     if (units == NULL || p.unit_rows == NULL) {

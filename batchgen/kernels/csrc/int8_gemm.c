@@ -89,8 +89,10 @@ static inline __m512 input_at(const uint16_t *x, const float *smoothing, int64_t
     return smoothing != 0 ? _mm512_mul_ps(value, _mm512_maskz_loadu_ps(mask, smoothing + i)) : value;
 }
 
+/* Row x quantized into q: its input i at q[(i / 64) * chunk_stride + i % 64] (chunk_stride 64: one
+ * contiguous row), zeros for inputs [k, q_length). */
 static void quantize_row(const uint16_t *x, const float *smoothing, int64_t k, int8_t *q, int64_t q_length,
-                         float *scale) {
+                         int64_t chunk_stride, float *scale) {
     __m512 peak = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16)
         peak = _mm512_max_ps(peak, _mm512_abs_ps(input_at(x, smoothing, i, column_mask(i, k))));
@@ -100,9 +102,11 @@ static void quantize_row(const uint16_t *x, const float *smoothing, int64_t k, i
     for (int64_t i = 0; i < k; i += 16) {
         __mmask16 mask = column_mask(i, k);
         __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(input_at(x, smoothing, i, mask), _mm512_set1_ps(inverse)));
-        _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtsepi32_epi8(rounded)); /* a narrowing store to memory is slow */
+        /* a narrowing store to memory is slow */
+        _mm_mask_storeu_epi8(q + i / INPUT_MULTIPLE * chunk_stride + i % INPUT_MULTIPLE, mask,
+                             _mm512_cvtsepi32_epi8(rounded));
     }
-    for (int64_t i = k; i < q_length; i++) q[i] = 0;
+    for (int64_t i = k; i < q_length; i++) q[i / INPUT_MULTIPLE * chunk_stride + i % INPUT_MULTIPLE] = 0;
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -114,7 +118,7 @@ static void quantize_row(const uint16_t *x, const float *smoothing, int64_t k, i
 /* One block: rows [0, top + bottom) of q (row stride k) times the 32 panel columns at `w`, into
  * `sums` as four 16 x 16 int32 tiles (top left, top right, bottom left, bottom right); its
  * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly. */
-static void block(const int8_t *q, int64_t k, int bottom, const int8_t *w, const char *ahead, int64_t ahead_lines,
+static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t *w, const char *ahead, int64_t ahead_lines,
                   int32_t *sums) {
     const int64_t w_stride = PANEL_COLUMNS * 4, w_chunk = CHUNK_INPUTS * PANEL_COLUMNS;
     _tile_zero(C_TOP_LEFT);
@@ -128,13 +132,13 @@ static void block(const int8_t *q, int64_t k, int bottom, const int8_t *w, const
         const int8_t *chunk = w + c * w_chunk;
         for (int64_t line = c * per_chunk; line < (c + 1) * per_chunk && line < ahead_lines; line++)
             _mm_prefetch(ahead + line * LINE_BYTES, _MM_HINT_T2);
-        _tile_loadd(X_TOP, q + c * CHUNK_INPUTS, k);
+        _tile_loadd(X_TOP, q + c * top * CHUNK_INPUTS, CHUNK_INPUTS);
         _tile_loadd(W_LEFT, chunk, w_stride);
         _tile_dpbssd(C_TOP_LEFT, X_TOP, W_LEFT);
         _tile_loadd(W_RIGHT, chunk + BLOCK_COLUMNS * 4, w_stride);
         _tile_dpbssd(C_TOP_RIGHT, X_TOP, W_RIGHT);
         if (bottom) {
-            _tile_loadd(X_BOTTOM, q + 16 * k + c * CHUNK_INPUTS, k);
+            _tile_loadd(X_BOTTOM, q + 16 * k + c * bottom * CHUNK_INPUTS, CHUNK_INPUTS);
             _tile_dpbssd(C_BOTTOM_LEFT, X_BOTTOM, W_LEFT);
             _tile_dpbssd(C_BOTTOM_RIGHT, X_BOTTOM, W_RIGHT);
         }
@@ -166,7 +170,7 @@ static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const in
                      const uint16_t *bias, int64_t n, uint16_t *out, int64_t first, int64_t last, int64_t first_row,
                      int64_t last_row, int rows) {
     int32_t sums[4 * 256] __attribute__((aligned(64)));
-    int bottom = rows - (rows < 16 ? rows : 16);
+    int top = rows < 16 ? rows : 16, bottom = rows - top;
     const int64_t panel_bytes = k * PANEL_COLUMNS, next_lines = panel_bytes / LINE_BYTES;
     const int64_t blocks = (last_row - first_row + rows - 1) / rows;
     for (int64_t p = first; p < last; p++) {
@@ -174,7 +178,7 @@ static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const in
         const int64_t lines = p + 1 < last ? next_lines : 0;
         for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
             int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
-            block(q + row * k, k, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES, to - from,
+            block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES, to - from,
                   sums);
             store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, out);
         }
@@ -201,6 +205,15 @@ static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64
 }
 
 int bg_int8_gemm_available(void) { return amx_tiles_granted(); }
+
+/* Where row r of the m quantized rows goes, and the stride between its 64-input chunks: in tile
+ * order, the rows in groups of 16 (the last group may hold fewer, g), each group k / 64 tiles of g
+ * rows x 64 inputs, so that a tile is one contiguous run of bytes. */
+static int8_t *quantized_row(int8_t *q, int64_t m, int64_t k, int64_t r, int64_t *chunk_stride) {
+    int64_t group = r / 16 * 16, rows = m - group < 16 ? m - group : 16;
+    *chunk_stride = rows * CHUNK_INPUTS;
+    return q + group * k + (r - group) * CHUNK_INPUTS;
+}
 
 #else
 
@@ -260,6 +273,14 @@ static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64
 
 int bg_int8_gemm_available(void) { return 1; }
 
+/* Where row r of the quantized rows goes, and the stride between its 64-input chunks: rows one
+ * after another. */
+static int8_t *quantized_row(int8_t *q, int64_t m, int64_t k, int64_t r, int64_t *chunk_stride) {
+    (void)m;
+    *chunk_stride = INPUT_MULTIPLE;
+    return q + r * k;
+}
+
 #endif
 
 int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
@@ -281,8 +302,11 @@ void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-        for (int64_t r = m * thread / team; r < m * (thread + 1) / team; r++)
-            quantize_row(x + r * x_stride, smoothing, k, q + r * k_padded, k_padded, x_scales + r);
+        for (int64_t r = m * thread / team; r < m * (thread + 1) / team; r++) {
+            int64_t chunk_stride;
+            int8_t *row = quantized_row(q, m, k_padded, r, &chunk_stride);
+            quantize_row(x + r * x_stride, smoothing, k, row, k_padded, chunk_stride, x_scales + r);
+        }
 #pragma omp barrier
         panel_range(q, x_scales, m, k_padded, weight, w_scales, compensation, bias, n, out, panels * thread / team,
                     panels * (thread + 1) / team);
