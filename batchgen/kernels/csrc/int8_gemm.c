@@ -31,7 +31,9 @@
  * row's quad, and asks for the thread's next panel as it goes (the bf16 kernel's tiling).
  *
  * AMX path: a block of 32 rows x 32 columns is four 16 x 16 int32 accumulator tiles fed per 64
- * inputs by two tiles of rows and two of the panel (tdpbssd: signed by signed). A panel is one
+ * inputs by two tiles of rows and two of the panel (tdpbssd: signed by signed). The quantized
+ * rows are written in tile order (`quantized_row`), so a tile of rows is one contiguous run of
+ * bytes and a block's row tiles one stream. A panel is one
  * block's 32 columns, read as one contiguous stream; the row blocks of a panel ask for the next
  * panel's weight into L2, and rows go SUPER_ROWS at a time so their int8 rows stay in L2 while
  * the thread's panels pass (the bf16 kernel's AMX tiling).
@@ -286,7 +288,8 @@ static int8_t *quantized_row(int8_t *q, int64_t m, int64_t k, int64_t r, int64_t
 int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
 
 /* x [m, k] bf16 rows of row stride x_stride, each input i times smoothing[i] (float32 [k], or NULL
- * for none), quantized into q [m, k_padded] and x_scales [m]
+ * for none), quantized into q (m x k_padded bytes, each row where `quantized_row` puts it) and
+ * x_scales [m]
  * (scratch the caller allocates; k_padded a multiple of INPUT_MULTIPLE, >= k); weight packed as
  * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
  * sum); bias [n] bf16 or NULL; out [m, n] bf16. Each thread quantizes a share of the rows, then
