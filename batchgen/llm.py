@@ -22,6 +22,7 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.gc_pacing import paced_collection
 from batchgen.engine.gguf_int8 import load_quantized
+from batchgen.engine.heap_reuse import reused_heap
 from batchgen.models import load_model, load_tokenizer
 from batchgen.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.request import Request
@@ -196,8 +197,9 @@ class LLM:
         `WAITING_TOKENS_WATERMARK` prompt tokens wait: a planned request is admitted, a prompt
         error is yielded as its output. The bar (`desc`, `total` items: done, rate, ETA) shows
         this call's output tok/s and prefix hit rate. Python's garbage collector is paced
-        (`paced_collection`) until the last output is taken."""
-        with paced_collection():
+        (`paced_collection`) and large buffers stay in the heap (`reused_heap`) until the last
+        output is taken."""
+        with paced_collection(), reused_heap():
             yield from self._run(iter(items), total, use_tqdm, watermark, desc)
 
     def _run(self, items: Iterator[Request | PromptError], total: int | None, use_tqdm: bool,
