@@ -8,7 +8,9 @@
     python scripts/bench.py --systems batchgen --peers --emulate-avx2   # as on an AVX2-only CPU (avx2_emulation.py)
 
 Every system first runs a short warm-up, then the repetitions run interleaved across systems
-(rep 1 of every system, then rep 2, ...); walls are reported as median and minimum. Before any
+(rep 1 of every system, then rep 2, ...), beside a peer each once other processes have gone
+quiet (a peer may spin its threads for a while after answering); walls are reported as median
+and minimum. Before any
 speed is trusted, each deterministic system's tokens are compared with batchgen's (greedy, any
 dtype; equal tokens are expected in float32): a mismatch is flagged in the table. The n-samples
 workload samples, so there only batchgen with and without caching (same seeds) are compared.
@@ -47,12 +49,15 @@ from bench_systems import PEERS, QUANTIZED_SYSTEMS, SYSTEM_NAMES, Peer, availabl
 from bench_workloads import SIZES, WORKLOAD_NAMES, Workload, build_workload, plan_stats  # noqa: E402
 
 from batchgen.engine.config import EngineConfig  # noqa: E402
+from batchgen.engine.other_load import WINDOW_S, OtherLoad  # noqa: E402
 from batchgen.models import local_folder  # noqa: E402
 
 BLOCK_SIZE = 16
 KV_CACHE_BYTES = {"cpu": 2 * 2**30, "gpu": 32 * 2**30, "tiny": 64 * 2**20}  # per size; the pool of each system
 WARMUP_REQUESTS, WARMUP_TOKENS = 2, 4
 SLOW_BASELINES = ("hf-generate-b1",)
+QUIET_CORES = 0.2  # others' busy cores under which a quiet run starts
+QUIET_TIMEOUT_S = 5.0  # a run starts after this long however busy the machine is
 LOAD_SUFFIX = " +load"  # the rows of runs made while another process spins a core (--with-load)
 
 
@@ -187,16 +192,33 @@ def bench_workload(workload: Workload, systems: list, repeats: int, device: torc
 
 def interleaved_runs(workload: Workload, systems: list, repeats: int, device: torch.device,
                      suffix: str) -> dict[str, list[dict]]:
-    """Rep 1 of every system, then rep 2, ...: the runs of each, keyed by its name + `suffix`."""
+    """Rep 1 of every system, then rep 2, ...: the runs of each, keyed by its name + `suffix`.
+    Beside a peer, a quiet run (no `suffix`) starts once the previous system's processes have gone quiet."""
     runs: dict[str, list[dict]] = {s.name + suffix: [] for s in systems}
+    has_peers = any(isinstance(system, Peer) for system in systems)
     for rep in range(repeats):
         for system in systems:
+            if has_peers and not suffix:
+                wait_until_quiet()
             run = run_once(system, workload, device)
             runs[system.name + suffix].append(run)
             outcome = run["error"] if "error" in run else f"{run['result'].wall_s:.2f} s"
             print(f"  {workload.name} rep {rep + 1}/{repeats} {system.name}{suffix}: {outcome}", file=sys.stderr,
                   flush=True)
     return runs
+
+
+def wait_until_quiet() -> None:
+    """Until other processes keep fewer than `QUIET_CORES` cores busy over one reading, at most
+    `QUIET_TIMEOUT_S`: a peer that has answered may still spin its threads (vLLM's workers poll
+    their queue for a second after each request), taking a core from the next system's run."""
+    load = OtherLoad.open()
+    deadline = time.monotonic() + QUIET_TIMEOUT_S
+    while load is not None and time.monotonic() < deadline:
+        time.sleep(WINDOW_S)
+        cores = load.busy_cores()
+        if cores is not None and cores < QUIET_CORES:
+            return
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,14 @@ def test_bench_with_load_runs_each_system_again_beside_a_busy_core(tmp_path, one
     assert rows.keys() == {"batchgen", "batchgen +load"} and rows["batchgen +load"]["tokens"]["num_mismatched"] == 0
     ratio = report["load_ratios"]["long-out"]["batchgen"]
     assert ratio == pytest.approx(rows["batchgen +load"]["output_tok_s"] / rows["batchgen"]["output_tok_s"])
+
+
+def test_a_run_beside_a_peer_waits_for_other_processes_to_go_quiet():
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    started = time.monotonic()
+    bench.wait_until_quiet()
+    assert time.monotonic() - started >= 1.0  # it waited while the other process spun
+    spinner.wait()
 
 
 def test_roofline_tiny_reports_bounds(tmp_path, one_thread):
