@@ -23,6 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import machine_info  # noqa: E402
+
+from batchgen.engine.heap_reuse import reused_heap  # noqa: E402
 from bench_models import load_bench_model  # noqa: E402
 from roofline import int_tuple, placed_runner  # noqa: E402
 
@@ -37,16 +39,18 @@ FORMATS = {  # name -> engine options
 @torch.inference_mode()
 def interleaved_times(model, tokenizer, formats: list[str], batch: int, context: int, num_new: int,
                       repeats: int) -> dict[str, list[float]]:
-    """Seconds of each format's step per repetition, the formats' runs interleaved."""
+    """Seconds of each format's step per repetition, the formats' runs interleaved, large buffers
+    kept in the heap as in an engine run (`reused_heap`)."""
     runners = {name: placed_runner(model, tokenizer, batch, context, num_new, **FORMATS[name]) for name in formats}
-    for runner, step in runners.values():
-        runner.execute(step)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in formats}
-    for _ in range(repeats):
-        for name, (runner, step) in runners.items():
-            start = time.perf_counter()
-            runner.execute(step)
-            times[name].append(time.perf_counter() - start)
+    with reused_heap():
+        for runner, step in runners.values():
+            runner.execute(step)  # warm-up
+        for _ in range(repeats):
+            for name, (runner, step) in runners.items():
+                start = time.perf_counter()
+                runner.execute(step)
+                times[name].append(time.perf_counter() - start)
     return times
 
 

@@ -54,6 +54,7 @@ from bench_models import load_bench_model  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.kernels.cpu_linear import bucketed, pack_weights, packed_linear  # noqa: E402
+from batchgen.engine.heap_reuse import reused_heap  # noqa: E402
 from batchgen.engine.model_runner import KVCacheSpec  # noqa: E402
 from batchgen.engine.step import ScheduledSeq, ScheduledStep  # noqa: E402
 from batchgen.engine.sequence import Sequence  # noqa: E402
@@ -233,8 +234,10 @@ def placed_runner(model, tokenizer, batch: int, context: int, num_new: int, **en
 
 @torch.inference_mode()
 def execute_time(runner, step) -> float:
-    """Median seconds of `ModelRunner.execute` for `step`; a graphed step's capture is in the warm-up call."""
-    return median_time(lambda: runner.execute(step), runner.device)
+    """Median seconds of `ModelRunner.execute` for `step`, large buffers kept in the heap as in an
+    engine run (`reused_heap`); a graphed step's capture is in the warm-up call."""
+    with reused_heap():
+        return median_time(lambda: runner.execute(step), runner.device)
 
 
 def time_step(model, tokenizer, batch: int, context: int, num_new: int) -> tuple[float, float]:
