@@ -407,3 +407,26 @@ def test_bfloat16_cascade_steps_are_as_close_to_float32_as_the_reference_backend
     # the stated tolerance: at most 1.5x the reference backend's bfloat16 error (that of the model's
     # bf16 linear layers, ~3% of the logits' range for this model)
     assert error <= 1.5 * reference_error
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_at_head_dim_256_prefill_chunks_run_on_tiles_as_close_to_float32_as_the_reference_backend(monkeypatch,
+                                                                                                   fused):
+    backend = make_backend("auto", torch.device("cpu"), torch.bfloat16, 256)
+    assert backend.prefill is amx_attention.paged_prefill_attention
+    assert backend.decode is cpu_attention.paged_decode_attention  # the AMX decode kernel takes head_dim 64
+    model = tiny_model(hidden_size=1024)  # head_dim 256
+    expected = shared_prefix_step_logits(model, fused=fused)
+    bf16_model = model.to(torch.bfloat16)
+    reference_error = (shared_prefix_step_logits(bf16_model, ReferenceBackend(), fused) - expected).abs().max()
+    calls = []
+    prefill = amx_attention.paged_prefill_attention
+
+    def counted(*args):
+        calls.append(prefill(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(amx_attention, "paged_prefill_attention", counted)
+    error = (shared_prefix_step_logits(bf16_model, fused=fused) - expected).abs().max()
+    assert calls and all(calls)  # every step's prefill chunks ran on the kernel
+    assert error <= 1.5 * reference_error
