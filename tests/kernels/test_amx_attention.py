@@ -184,17 +184,19 @@ def test_a_groups_rows_need_not_be_adjacent_and_other_rows_are_left_alone():
     assert bf16_error(torch.cat([out[:1], out[2:]]), expected) < 2
 
 
-def test_a_max_that_keeps_rising_rescales_the_sums():
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 256])  # accumulators in tiles; in memory
+def test_a_max_that_keeps_rising_rescales_the_sums(head_dim):
     # keys aligned with the query and growing along the context: scores rise by ~74 (log2 units)
     # from key block to key block, to ~460: far past the kernel's rescale threshold, and past
     # float32's range unless the sums and accumulators are rescaled as the max moves
     context, num_queries = 200, 20
-    q, k_cache, v_cache, block_tables = paged_step([context], [num_queries], num_heads=2, num_kv_heads=2)
-    q = torch.ones_like(q)
-    flat_k = k_cache.view(-1, 2, HEAD_DIM)
+    q, k_cache, v_cache, block_tables = paged_step([context], [num_queries], num_heads=2, num_kv_heads=2,
+                                                   head_dim=head_dim)
+    q = torch.full_like(q, (HEAD_DIM / head_dim))  # the same scores at every head size
+    flat_k = k_cache.view(-1, 2, head_dim)
     positions = torch.arange(context)
     slots = block_tables[0, positions // 16].long() * 16 + positions % 16
-    flat_k[slots] = (positions[:, None, None] / 5.0).expand(-1, 2, HEAD_DIM).bfloat16()
+    flat_k[slots] = (positions[:, None, None] / 5.0).expand(-1, 2, head_dim).bfloat16()
     got = attend(q, k_cache, v_cache, block_tables, [context], [num_queries])
     assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, [context], [num_queries])) < 2
 
@@ -212,20 +214,6 @@ def test_larger_heads_match_the_reference(head_dim, variant):
     expected = reference(*inputs, context_lens, query_lens, softcap=variant.softcap, window=variant.window,
                          sinks=variant.sinks)
     assert bf16_error(got, expected) < 2
-
-
-def test_a_rising_max_rescales_accumulators_kept_in_memory():
-    # as below, at head_dim 256: scores rise far past the rescale threshold from key block to key block
-    context, num_queries, head_dim = 200, 20, 256
-    q, k_cache, v_cache, block_tables = paged_step([context], [num_queries], num_heads=2, num_kv_heads=2,
-                                                   head_dim=head_dim)
-    q = torch.ones_like(q) / 4
-    flat_k = k_cache.view(-1, 2, head_dim)
-    positions = torch.arange(context)
-    slots = block_tables[0, positions // 16].long() * 16 + positions % 16
-    flat_k[slots] = (positions[:, None, None] / 5.0).expand(-1, 2, head_dim).bfloat16()
-    got = attend(q, k_cache, v_cache, block_tables, [context], [num_queries])
-    assert bf16_error(got, reference(q, k_cache, v_cache, block_tables, [context], [num_queries])) < 2
 
 
 @pytest.mark.parametrize("groups, message", [
