@@ -10,12 +10,12 @@
 Every system first runs a short warm-up, then the repetitions run interleaved across systems
 (rep 1 of every system, then rep 2, ...), beside a peer each once other processes have gone
 quiet (a peer may spin its threads for a while after answering); walls are reported as median
-and minimum. Before any
-speed is trusted, each deterministic system's tokens are compared with batchgen's (greedy, any
-dtype; equal tokens are expected in float32): a mismatch is flagged in the table. The n-samples
-workload samples, so there only batchgen with and without caching (same seeds) are compared.
-With `--with-load` every system runs its repetitions again while another process spins one
-core, and the report gives each system's loaded / quiet output tok/s (`load_ratios`).
+and minimum. Before any speed is trusted, each deterministic system's tokens are compared with
+batchgen's (greedy, any dtype; equal tokens are expected in float32): a mismatch is flagged in
+the table. The n-samples workload samples, so there only batchgen with and without caching
+(same seeds) are compared. With `--with-load` every system runs its repetitions again while
+another process spins one core, and the report gives each system's loaded / quiet output tok/s
+(`load_ratios`).
 
 Peak memory is the largest increase of this process's RSS over its value at the start of a run,
 sampled every few milliseconds (the model weights loaded before are not counted). batchgen's
@@ -193,7 +193,8 @@ def bench_workload(workload: Workload, systems: list, repeats: int, device: torc
 def interleaved_runs(workload: Workload, systems: list, repeats: int, device: torch.device,
                      suffix: str) -> dict[str, list[dict]]:
     """Rep 1 of every system, then rep 2, ...: the runs of each, keyed by its name + `suffix`.
-    Beside a peer, a quiet run (no `suffix`) starts once the previous system's processes have gone quiet."""
+    Beside a peer, a quiet run (no `suffix`) starts once the previous system's processes have
+    gone quiet."""
     runs: dict[str, list[dict]] = {s.name + suffix: [] for s in systems}
     has_peers = any(isinstance(system, Peer) for system in systems)
     for rep in range(repeats):

@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import machine_info  # noqa: E402
-
-from batchgen.engine.heap_reuse import reused_heap  # noqa: E402
 from bench_models import load_bench_model  # noqa: E402
 from roofline import int_tuple, placed_runner  # noqa: E402
+
+from batchgen.engine.heap_reuse import reused_heap  # noqa: E402
 
 FORMATS = {  # name -> engine options
     "bf16": {},

@@ -1,8 +1,8 @@
 """Attention on AMX tiles (``csrc/amx_attention.c``): causal attention of a step's prefill
 chunks (with any of a sliding window, a soft-cap and sinks; head_dim 64, 128, 192 or 256) and of
-decode rows (none of them; head_dim 64) over the paged pool, in bfloat16, on a CPU with AMX-BF16, under
-`attention_kernel`'s contract; decode rows with a window, a soft-cap or sinks are left to the
-caller's other kernels.
+decode rows (none of them; head_dim 64) over the paged pool, in bfloat16, on a CPU with
+AMX-BF16, under `attention_kernel`'s contract; decode rows with a window, a soft-cap or sinks
+are left to the caller's other kernels.
 
 Invariants:
 - ``supports()`` never raises: without a compiler, AMX-BF16 or the kernel's permission to use
@@ -50,8 +50,8 @@ def supports_prefill(dtype: torch.dtype, head_dim: int) -> bool:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
                             scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Causal prefill attention, windowed, soft-capped and with sinks where `variant` says; the
-    chunks of a group attend their prefix together. Does not run where `supports` refuses q's
-    dtype or head size, or for a tensor that is not contiguous."""
+    chunks of a group attend their prefix together. Does not run where `supports_prefill` refuses
+    q's dtype or head size, or for a tensor that is not contiguous."""
     library = _load_kernel()
     return run_c_kernel(library and library.bg_amx_prefill_attention, "amx paged_prefill_attention", q, k_cache,
                         v_cache, seqs, scale, out, variant)

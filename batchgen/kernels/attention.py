@@ -31,8 +31,9 @@ chunks in one call of the C prefill kernel on CPU where it applies (AVX-512 or A
 float32 / bfloat16), else `scaled_dot_product_attention`. On a CPU with AMX-BF16, in bfloat16,
 prefill chunks go through the AMX kernel (`amx_attention`, with their windows, soft-caps and
 sinks too) at head_dim 64 to 256, and decode rows at head_dim 64, through the vector kernel's
-cascade where the AMX one does not apply; elsewhere on such a CPU (another head size), in bfloat16, a windowed layer's
-prefill runs on flash SDPA in bands (`window_bands`) before the C kernel. Over an int8 pool (`kv_int8`) decode
+cascade where the AMX one does not apply; elsewhere on such a CPU (another head size), in
+bfloat16, a windowed layer's prefill runs on flash SDPA in bands (`window_bands`) before the C
+kernel. Over an int8 pool (`kv_int8`) decode
 rows run on `kv_int8`'s C kernel, which computes on the int8 rows as stored; prefill chunks run
 on the float pool's prefill kernels over the blocks they read, dequantized, else (and decode
 rows where the int8 kernel does not run) gather the rows and dequantize them for SDPA.
@@ -453,10 +454,10 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
         if not is_c_preferred:  # flash SDPA outruns the C kernel: windows too, in its bands
             variant_prefills = (window_bands.paged_prefill_attention, *variant_prefills)
         if amx_attention.supports_prefill(dtype, head_dim):
-            decode = (amx_attention.paged_decode_attention if amx_attention.supports(dtype, head_dim)
-                      else cpu_attention.paged_decode_attention)
-            return NativeBackend(decode, amx_attention.paged_prefill_attention,
-                                 decode_fallback=cpu_attention.paged_decode_attention,
+            decodes = (amx_attention.paged_decode_attention, cpu_attention.paged_decode_attention)
+            if not amx_attention.supports(dtype, head_dim):  # the AMX decode kernel takes head_dim 64
+                decodes = decodes[1:] + (None,)
+            return NativeBackend(decodes[0], amx_attention.paged_prefill_attention, decode_fallback=decodes[1],
                                  variant_prefills=variant_prefills, shares_prefixes=True)
         prefill = cpu_attention.paged_prefill_attention if is_c_preferred else None
         return NativeBackend(cpu_attention.paged_decode_attention, prefill, variant_prefills=variant_prefills,

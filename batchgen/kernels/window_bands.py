@@ -1,6 +1,6 @@
 """Sliding-window prefill through torch's flash attention (oneDNN's AMX tile products on a CPU
-with AMX-BF16), in bands of query rows, for heads `amx_attention` does not take (its prefill
-runs windows itself, 2.5-5x faster than these bands at head_dim 64).
+with AMX-BF16), in bands of query rows, for heads `amx_attention`'s prefill does not take (it
+runs windows itself, faster than these bands: docs/performance.md).
 
 A layer with a window W shorter than a chunk's context attends, per query, only its last W
 positions. SDPA over the whole chunk with a mask would compute every (query, key) pair and mask

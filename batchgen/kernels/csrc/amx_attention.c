@@ -83,11 +83,14 @@ typedef struct {
     int window;       /* 0: none; else a row at position t sees positions t - window + 1 .. t */
     const float *sinks; /* NULL: none; else [num_heads] one more logit per query head, no value with it */
     int head_dim;       /* a multiple of HEAD_DIM, at most MAX_HEAD_DIM */
-    int64_t key_block_bytes; /* a staged key block: head_dim / 16 K tiles (key half x 32 dims), head_dim / 16 V tiles */
 } Problem;
 
-/* The offset of a staged key block's V tiles (16 dims each), after its K tiles. */
-static inline int64_t value_offset(const Problem *p) { return p->key_block_bytes / 2; }
+/* The bytes of a staged key block: head_dim / 16 K tiles (key half x 32 dims), then head_dim / 16
+ * V tiles (16 dims each). */
+static inline int64_t key_block_bytes(const Problem *p) { return (int64_t)p->head_dim / 8 * TILE_BYTES; }
+
+/* The offset of a staged key block's V tiles, after its K tiles. */
+static inline int64_t value_offset(const Problem *p) { return key_block_bytes(p) / 2; }
 
 /* Whether a row block's queries and accumulators stay in tile registers (head_dim HEAD_DIM);
  * larger heads keep them in memory, loading each tile as a product needs it. */
@@ -183,7 +186,7 @@ static int stage_segment(const Problem *p, const int32_t *table, int first, int 
         interleave_index = _mm512_loadu_si512(index);
     }
     const int dim_tiles = p->head_dim / 32;
-    for (int k0 = 0; k0 < n; k0 += BLOCK_KEYS, dst += p->key_block_bytes) {
+    for (int k0 = 0; k0 < n; k0 += BLOCK_KEYS, dst += key_block_bytes(p)) {
         const uint16_t *k_rows[BLOCK_KEYS], *v_rows[BLOCK_KEYS];
         for (int i = 0; i < BLOCK_KEYS; i++) {
             k_rows[i] = v_rows[i] = NULL;
@@ -251,12 +254,12 @@ static int stage_item(const Problem *p, const Unit *u, int kv_head, int64_t firs
             staged->first = seq < staged->first ? seq : staged->first;
             staged->end = seq + 1;
         }
-    int64_t bytes = (int64_t)key_blocks(u->prefix) * p->key_block_bytes;
+    int64_t bytes = (int64_t)key_blocks(u->prefix) * key_block_bytes(p);
     for (int seq = staged->first; seq < staged->end; seq++) {
         staged->own_offsets[seq - staged->first] = bytes;
         staged->own_from[seq - staged->first] = own_keys_from(p, u, seq, first_row);
         staged->own_keys[seq - staged->first] = own_keys_seen(p, u, seq, end_row) - staged->own_from[seq - staged->first];
-        bytes += (int64_t)key_blocks(staged->own_keys[seq - staged->first]) * p->key_block_bytes;
+        bytes += (int64_t)key_blocks(staged->own_keys[seq - staged->first]) * key_block_bytes(p);
     }
     if (bytes > staged->capacity) {
         free(staged->keys);
@@ -387,11 +390,12 @@ static unsigned softmax_block(const float *scores, const int *hidden, const int 
     return moved;
 }
 
-static void store_accumulators(BlockState *b) {
-    _tile_stored(0, b->acc, 4 * HEAD_DIM);
-    _tile_stored(1, b->acc + 16, 4 * HEAD_DIM);
-    _tile_stored(2, b->acc + 32, 4 * HEAD_DIM);
-    _tile_stored(3, b->acc + 48, 4 * HEAD_DIM);
+/* Accumulator tiles 0-3 (64 dims) to and from `acc`, rows `row_bytes` apart. */
+static void store_accumulators(float *acc, int row_bytes) {
+    _tile_stored(0, acc, row_bytes);
+    _tile_stored(1, acc + 16, row_bytes);
+    _tile_stored(2, acc + 32, row_bytes);
+    _tile_stored(3, acc + 48, row_bytes);
 }
 
 static void load_accumulators(const float *acc, int row_bytes) {
@@ -405,7 +409,7 @@ static void load_accumulators(const float *acc, int row_bytes) {
  * loaded back). */
 static void rescale_accumulators(const Problem *p, unsigned moved, BlockState *b) {
     const int d = p->head_dim;
-    if (in_tiles(p)) store_accumulators(b);
+    if (in_tiles(p)) store_accumulators(b->acc, 4 * HEAD_DIM);
     for (int r = 0; r < BLOCK_ROWS; r++) {
         if (!(moved >> r & 1)) continue;
         __m512 factor = _mm512_set1_ps(b->factor[r]);
@@ -430,12 +434,7 @@ static void value_tiles(const Problem *p, const char *key_block, BlockState *b) 
         _tile_dpbf16ps(2, SCORES, OPERAND);
         _tile_loadd(OPERAND, v_tiles + 3 * TILE_BYTES, 64);
         _tile_dpbf16ps(3, SCORES, OPERAND);
-        if (!in_tiles(p)) {
-            _tile_stored(0, b->acc + j, 4 * p->head_dim);
-            _tile_stored(1, b->acc + j + 16, 4 * p->head_dim);
-            _tile_stored(2, b->acc + j + 32, 4 * p->head_dim);
-            _tile_stored(3, b->acc + j + 48, 4 * p->head_dim);
-        }
+        if (!in_tiles(p)) store_accumulators(b->acc + j, 4 * p->head_dim);
     }
 }
 
@@ -469,10 +468,10 @@ static void attend_segment(const Problem *p, const char *segment, const int *sta
         }
     if (most == 0) return;
     int first = least / BLOCK_KEYS * BLOCK_KEYS;
-    score_tiles(p, segment + (int64_t)(first / BLOCK_KEYS) * p->key_block_bytes, b, b->scores[0]);
+    score_tiles(p, segment + (first / BLOCK_KEYS) * key_block_bytes(p), b, b->scores[0]);
     for (int k0 = first, i = 0; k0 < most; k0 += BLOCK_KEYS, i ^= 1) {
-        const char *key_block = segment + (int64_t)(k0 / BLOCK_KEYS) * p->key_block_bytes;
-        if (k0 + BLOCK_KEYS < most) score_tiles(p, key_block + p->key_block_bytes, b, b->scores[i ^ 1]);
+        const char *key_block = segment + (k0 / BLOCK_KEYS) * key_block_bytes(p);
+        if (k0 + BLOCK_KEYS < most) score_tiles(p, key_block + key_block_bytes(p), b, b->scores[i ^ 1]);
         int hidden[BLOCK_ROWS], visible[BLOCK_ROWS];
         for (int r = 0; r < BLOCK_ROWS; r++) hidden[r] = start[r] - k0, visible[r] = limit[r] - k0;
         if (p->softcap > 0.0f) cap_scores(p, b->scores[i]);
@@ -486,7 +485,7 @@ static void attend_segment(const Problem *p, const char *segment, const int *sta
 /* Each real row's output: its accumulator row over its sum, as bf16. */
 static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
     const int d = p->head_dim;
-    if (in_tiles(p)) store_accumulators(b);
+    if (in_tiles(p)) store_accumulators(b->acc, 4 * HEAD_DIM);
     for (int r = 0; r < block->rows; r++) {
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b->sums + 16 * r)));
         uint16_t *dst = p->out + (block->packed[r] * p->num_heads + block->head[r]) * d;
@@ -1072,7 +1071,7 @@ int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f,
-                 window, sinks, head_dim, (int64_t)head_dim / 8 * TILE_BYTES};
+                 window, sinks, head_dim};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     if (units == NULL || p.unit_rows == NULL) {

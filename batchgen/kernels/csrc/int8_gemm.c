@@ -33,10 +33,10 @@
  * AMX path: a block of 32 rows x 32 columns is four 16 x 16 int32 accumulator tiles fed per 64
  * inputs by two tiles of rows and two of the panel (tdpbssd: signed by signed). The quantized
  * rows are written in tile order (`quantized_row`), so a tile of rows is one contiguous run of
- * bytes and a block's row tiles one stream. A panel is one
- * block's 32 columns, read as one contiguous stream; the row blocks of a panel ask for the next
- * panel's weight into L2, and rows go SUPER_ROWS at a time so their int8 rows stay in L2 while
- * the thread's panels pass (the bf16 kernel's AMX tiling).
+ * bytes and a block's row tiles one stream. A panel is one block's 32 columns, read as one
+ * contiguous stream; the row blocks of a panel ask for the next panel's weight into L2, and rows
+ * go SUPER_ROWS at a time so their int8 rows stay in L2 while the thread's panels pass (the bf16
+ * kernel's AMX tiling).
  */
 #include <stdint.h>
 
@@ -117,11 +117,12 @@ static void quantize_row(const uint16_t *x, const float *smoothing, int64_t k, i
 #define CHUNK_INPUTS 64                   /* inputs per tile product: 16 quads */
 #define BLOCK_ROWS 32                     /* two tiles of 16 rows */
 #define SUPER_ROWS 512                    /* rows that stay in L2 while the thread's panels pass */
-/* One block: rows [0, top + bottom) of q (row stride k) times the 32 panel columns at `w`, into
- * `sums` as four 16 x 16 int32 tiles (top left, top right, bottom left, bottom right); its
+/* One block: `top` rows of q in tile order (`quantized_row`: a 64-input tile every top * 64
+ * bytes), and `bottom` rows (the next group's, 16 k bytes on), times the 32 panel columns at `w`,
+ * into `sums` as four 16 x 16 int32 tiles (top left, top right, bottom left, bottom right); its
  * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly. */
-static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t *w, const char *ahead, int64_t ahead_lines,
-                  int32_t *sums) {
+static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t *w, const char *ahead,
+                  int64_t ahead_lines, int32_t *sums) {
     const int64_t w_stride = PANEL_COLUMNS * 4, w_chunk = CHUNK_INPUTS * PANEL_COLUMNS;
     _tile_zero(C_TOP_LEFT);
     _tile_zero(C_TOP_RIGHT);
@@ -180,8 +181,8 @@ static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const in
         const int64_t lines = p + 1 < last ? next_lines : 0;
         for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
             int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
-            block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES, to - from,
-                  sums);
+            block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES,
+                  to - from, sums);
             store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, out);
         }
     }
