@@ -101,7 +101,27 @@ def test_graphed_decode_logits_equal_eager_ones(dtype):
         assert torch.equal(cache.flatten(0, 1)[written], eager_cache.flatten(0, 1)[written])
 
 
-def cuda_runner(model, cuda_graphs: bool) -> tuple[ModelRunner, list[Sequence]]:
-    """A runner whose pool holds 40 prompts of 1-90 tokens, each with one more token to decode."""
-    runner = ModelRunner(model, EngineConfig(kv_cache_memory=KV_CACHE_MEMORY, cuda_graphs=cuda_graphs))
+@requires_triton
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_an_int8_pool_decodes_on_the_triton_kernel_in_graphs_as_eagerly(quantization):
+    """kv_cache_dtype int8 on CUDA (with W8A8 products on `torch._int_mm` too): decode rows on the
+    Triton kernel, graphed steps equal to eager ones, and the step as close to the float32 model's
+    logits as a bf16 pool's step is, within 2x."""
+    model = tiny_model("llama", hidden_size=256).to(device="cuda", dtype=torch.bfloat16)
+    graphed, seqs = cuda_runner(model, cuda_graphs=True, kv_cache_dtype="int8", quantization=quantization)
+    eager, _ = cuda_runner(model, cuda_graphs=False, kv_cache_dtype="int8", quantization=quantization)
+    plain, _ = cuda_runner(model, cuda_graphs=False, quantization=quantization)
+    exact, _ = cuda_runner(tiny_model("llama", hidden_size=256).to("cuda"), cuda_graphs=False)
+    assert graphed.backend.decode is cuda_attention.paged_decode_attention and graphed.k_caches[0].dtype == torch.int8
+    step = ScheduledStep([ScheduledSeq(seq, 1) for seq in seqs[:17]])
+    replayed, expected = graphed.execute(step).float(), eager.execute(step).float()
+    assert (replayed - expected).abs().max().item() <= 3e-2 * expected.abs().max().item()
+    reference = exact.execute(step).float()
+    assert (expected - reference).abs().max() <= 2 * (plain.execute(step).float() - reference).abs().max()
+
+
+def cuda_runner(model, cuda_graphs: bool, **options) -> tuple[ModelRunner, list[Sequence]]:
+    """A runner (of `options` too) whose pool holds 40 prompts of 1-90 tokens, each with one more
+    token to decode."""
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=KV_CACHE_MEMORY, cuda_graphs=cuda_graphs, **options))
     return runner, prefill_placed_prompts(runner, PREFILLED_LENS)[0]

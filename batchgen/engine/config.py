@@ -48,7 +48,7 @@ class EngineConfig:
     """Bytes for the K/V pool, a number or a size such as `"512MiB"` or `"2GiB"`; null: 2 GiB on a CPU,
     85% of the free memory on CUDA (measured after a warm-up forward)."""
     kv_cache_dtype: str = option("auto", one_of(*KV_CACHE_DTYPES))
-    """The K/V pool's number format: `auto` is the model's dtype; `int8` (CPU): each token's key and
+    """The K/V pool's number format: `auto` is the model's dtype; `int8`: each token's key and
     value of each KV head as int8 with a float32 scale beside them, 1.88x the tokens in the same
     memory at head_dim 64, dequantized where attention reads them. Opt-in: attention then differs
     from the model's dtype's (quality and speed against it in the performance page)."""

@@ -67,9 +67,7 @@ class KVCacheSpec:
 
     @classmethod
     def from_model(cls, model, kv_cache_dtype: str = "auto") -> KVCacheSpec:
-        """The pool of `model` in `kv_cache_dtype` (`EngineConfig.kv_cache_dtype`); int8 is refused off the CPU."""
-        if kv_cache_dtype == "int8" and model.device.type != "cpu":
-            raise ValueError(f"kv_cache_dtype: int8 runs on a CPU; this model is on {model.device.type}")
+        """The pool of `model` in `kv_cache_dtype` (`EngineConfig.kv_cache_dtype`)."""
         cache_dtype = torch.int8 if kv_cache_dtype == "int8" else model.dtype
         return cls(*kv_cache_shape(model.config.get_text_config()), model.dtype, cache_dtype)
 

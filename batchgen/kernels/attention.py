@@ -34,7 +34,8 @@ sinks too) at head_dim 64 to 256, and decode rows at head_dim 64, through the ve
 cascade where the AMX one does not apply; elsewhere on such a CPU (another head size), in
 bfloat16, a windowed layer's prefill runs on flash SDPA in bands (`window_bands`) before the C
 kernel. Over an int8 pool (`kv_int8`) decode
-rows run on `kv_int8`'s C kernel, which computes on the int8 rows as stored; prefill chunks run
+rows run on `kv_int8`'s C kernel on a CPU and on the Triton kernel (cascade included) on CUDA,
+both computing on the int8 rows as stored; prefill chunks run
 on the float pool's prefill kernels over the blocks they read, dequantized, else (and decode
 rows where the int8 kernel does not run) gather the rows and dequantize them for SDPA.
 """
@@ -437,17 +438,20 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
                  cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """"reference", "native", or "auto" (native with the device's fastest decode and prefill
     kernels for `dtype` and `head_dim`, over a pool of `cache_dtype`, default `dtype`; an int8
-    pool's decode rows through `kv_int8`'s kernel, its prefill chunks through the float pool's
-    prefill kernels on the blocks they read, dequantized, else SDPA)."""
+    pool's decode rows through `kv_int8`'s kernel on a CPU, the Triton kernel on CUDA, its prefill
+    chunks through the float pool's prefill kernels on the blocks they read, dequantized, else SDPA)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
     if cache_dtype == torch.int8:
         float_backend = make_backend(name, device, dtype, head_dim)
-        return NativeBackend(kv_int8.paged_decode_attention, kv_int8.over_dequantized_blocks(float_backend.prefill),
-                             variant_prefills=tuple(map(kv_int8.over_dequantized_blocks,
-                                                        float_backend.variant_prefills)))
+        prefill = kv_int8.over_dequantized_blocks(float_backend.prefill)
+        variant_prefills = tuple(map(kv_int8.over_dequantized_blocks, float_backend.variant_prefills))
+        if device.type == "cuda" and float_backend.captures_decode:  # the Triton kernel reads int8 pools too
+            return NativeBackend(float_backend.decode, prefill, variant_prefills=variant_prefills,
+                                 shares_prefixes=True, captures_decode=True)
+        return NativeBackend(kv_int8.paged_decode_attention, prefill, variant_prefills=variant_prefills)
     if device.type == "cpu" and cpu_attention.is_available():
         is_c_preferred = cpu_attention.prefill_is_preferred(dtype)
         variant_prefills = (cpu_attention.paged_prefill_attention,)

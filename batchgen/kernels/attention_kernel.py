@@ -12,8 +12,10 @@ has no code for): its caller then runs another path. Inputs that break the contr
 ValueError (`check_inputs`, or the kernel's status: `kernel_status`).
 
 Tensors: q and out [rows, num_heads, head_dim], one float dtype (float32, bfloat16, float16);
-k_cache and v_cache [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype, num_heads a
-multiple of num_kv_heads; query head h reads kv head h // (num_heads // num_kv_heads). Token
+k_cache and v_cache [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype, or an int8
+pool (`kv_int8`) [num_blocks, block_size, num_kv_heads, head_dim + SCALE_BYTES]: each row its
+head_dim int8 values, then their float32 scale (a kernel that has no code for one returns
+False); num_heads a multiple of num_kv_heads; query head h reads kv head h // (num_heads // num_kv_heads). Token
 position p of sequence s lives in slot block_tables[s, p // block_size] * block_size +
 p % block_size. The C kernels take every tensor contiguous, in the order of
 ``csrc/attention_kernel.h`` (`c_arguments`).
@@ -32,6 +34,7 @@ from batchgen.kernels.kernel_status import check_status
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # attention_kernel.h's DTYPE_*
+SCALE_BYTES = 4  # an int8 pool row's float32 scale, after its values
 C_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
               + [ctypes.c_int] * 2)
 
@@ -101,6 +104,11 @@ class PagedSeqs:
                 if t is not None]
 
 
+def head_dim_of(cache: torch.Tensor) -> int:
+    """The head size a pool (or rows gathered from one) stores."""
+    return cache.shape[-1] - SCALE_BYTES if cache.dtype == torch.int8 else cache.shape[-1]
+
+
 AttentionKernel = Callable[..., bool]  # (q, k_cache, v_cache, seqs, scale, out, variant=FULL) -> bool
 
 
@@ -110,10 +118,10 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be 3-D and k_cache/v_cache 4-D of one shape, got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in DTYPES:
-        raise ValueError(f"q, k_cache, v_cache must share a float32/bfloat16/float16 dtype, got "
+    if k_cache.dtype != v_cache.dtype or q.dtype not in DTYPES or k_cache.dtype not in (q.dtype, torch.int8):
+        raise ValueError(f"q must be float32/bfloat16/float16 and k_cache, v_cache in its dtype or int8, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if k_cache.shape[3] != q.shape[2] or q.shape[1] % k_cache.shape[2] != 0:
+    if head_dim_of(k_cache) != q.shape[2] or q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)} "
                          "(head_dim must match and num_heads be a multiple of num_kv_heads)")
     if out.shape != q.shape or out.dtype != q.dtype:

@@ -23,6 +23,13 @@ tiles; each member's own kernel finds its group in ``groups`` and starts past th
 the merge kernel combines the two as it combines splits. A step of 16 sequences on one 1,024-token prefix then reads the prefix's
 K/V once instead of 16 times.
 
+int8 pools (`kv_int8`). Over a pool of int8 rows (head_dim values, then their float32 scale)
+the tiles load the int8 values, widened to float32 as a float pool's are (tf32 holds them
+exactly); each score is multiplied by its key's scale and each softmax weight by its value's
+before the P·V product, which is the attention of the dequantized rows up to float32 rounding.
+The same program, cascade and split-K serve both pools; an int8 step reads (head_dim + 4) bytes
+a row where bf16 reads 2 × head_dim.
+
 Split-K (flash-decoding). When sequences × kv heads alone would leave SMs idle (small batch,
 long context), each sequence's context is cut into ``num_splits`` contiguous token ranges;
 every split writes its normalised partial output and log-sum-exp, and a second kernel merges
@@ -91,12 +98,20 @@ def launch_config(head_dim: int) -> tuple[int, int, int, int]:
 if triton is not None:
 
     @triton.jit
+    def _row_scales(cache_ptr, rows, is_valid, HEAD_DIM: tl.constexpr):
+        """The float32 scales of an int8 pool's rows (their 4 bytes after the row's values; 0 where
+        not `is_valid`)."""
+        return tl.load((cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=is_valid, other=0.0)
+
+    @triton.jit
     def _attend_range(q, k_ptr, v_ptr, table, kv_head, start, end, scale_log2,
                       stride_k_block, stride_k_token, stride_k_head, BLOCK_ROWS: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_ROWS: tl.constexpr):
         """Online softmax of the query rows `q` ([BLOCK_ROWS, BLOCK_D] float32) over the tokens
-        start..end-1 of one kv head, found through `table`: (accumulator, row max, row sum)."""
+        start..end-1 of one kv head, found through `table`: (accumulator, row max, row sum). Over
+        an int8 pool (INT8_ROWS) the products take the rows' int8 values, each score then scaled
+        by its key's scale and each softmax weight by its value's."""
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         dim_mask = offs_d < HEAD_DIM
@@ -109,15 +124,20 @@ if triton is not None:
             blocks = tl.load(table + positions // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
             rows = blocks * stride_k_block + (positions % BLOCK_SIZE) * stride_k_token + kv_head * stride_k_head
             tile_mask = is_valid[:, None] & dim_mask[None, :]
-            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=tile_mask, other=0).to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if INT8_ROWS:  # the keys' int8 values: each score times its key's scale
+                scores *= _row_scales(k_ptr, rows, is_valid, HEAD_DIM)[None, :]
             scores = tl.where(is_valid[None, :], scores, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, 1))
             correction = tl.exp2(row_max - new_max)
             p = tl.exp2(scores - new_max[:, None])
             row_sum = row_sum * correction + tl.sum(p, 1)
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-            acc = acc * correction[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=tile_mask, other=0).to(tl.float32)
+            weights = p
+            if INT8_ROWS:  # the values' int8 values: each weight times its value's scale
+                weights = p * _row_scales(v_ptr, rows, is_valid, HEAD_DIM)[None, :]
+            acc = acc * correction[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
             row_max = new_max
         return acc, row_max, row_sum
 
@@ -139,7 +159,7 @@ if triton is not None:
         stride_table_seq, stride_out_seq, stride_out_head,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, INT8_ROWS: tl.constexpr,
     ):
         """Online softmax of one kv head's query group over one token range of one sequence: the
         split-th range of tokens_per_split from the sequence's start, past its group's prefix when
@@ -170,7 +190,7 @@ if triton is not None:
         table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
         acc, row_max, row_sum = _attend_range(q, k_ptr, v_ptr, table, kv_head, start, end, scale_log2,
                                               stride_k_block, stride_k_token, stride_k_head, BLOCK_H, HEAD_DIM,
-                                              BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+                                              BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, INT8_ROWS)
         if IS_SPLIT:
             part_rows = (seq * (GROUP * tl.num_programs(1)) + heads) * num_parts + split
             _store_part(part_out_ptr, part_lse_ptr, part_rows, head_mask, acc, row_max, row_sum, HEAD_DIM, BLOCK_D)
@@ -192,7 +212,7 @@ if triton is not None:
         scale_log2, tokens_per_split, num_splits, num_parts,
         stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head, stride_table_seq,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_ROWS: tl.constexpr,
     ):
         """One group's shared prefix (the split-th range of it) for one kv head: the query rows of
         every member, BLOCK_M // GROUP members at a time, over K/V tiles read once for all of them;
@@ -216,7 +236,7 @@ if triton is not None:
                         mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
             acc, row_max, row_sum = _attend_range(q, k_ptr, v_ptr, table, kv_head, start, stop, scale_log2,
                                                   stride_k_block, stride_k_token, stride_k_head, BLOCK_M, HEAD_DIM,
-                                                  BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+                                                  BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, INT8_ROWS)
             part_rows = (members * (GROUP * tl.num_programs(1)) + heads) * num_parts + num_splits + split
             _store_part(part_out_ptr, part_lse_ptr, part_rows, row_mask, acc, row_max, row_sum, HEAD_DIM, BLOCK_D)
 
@@ -296,8 +316,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     shapes = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
-                  num_stages=num_stages)
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  INT8_ROWS=k_cache.dtype == torch.int8, num_warps=num_warps, num_stages=num_stages)
     num_groups = seqs.num_groups
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if groups is None else groups, out, part_out,

@@ -164,7 +164,8 @@ def triton_kernel_states() -> list[KernelState]:
     attention_reason = None if cuda_attention.is_available() else (
         triton_reason or "it needs a CUDA device of compute capability 8.0 or newer")
     return [
-        KernelState("cuda_attention (Triton)", "CUDA paged decode attention", attention_reason is None, None,
+        KernelState("cuda_attention (Triton)", "CUDA paged decode attention (bf16/fp16/fp32 and int8 pools)",
+                    attention_reason is None, None,
                     attention_reason),
         KernelState("cuda_decoder_ops (Triton)", "CUDA fused decoder ops", triton_reason is None, None, triton_reason),
     ]

@@ -33,12 +33,11 @@ import functools
 
 import torch
 
-from batchgen.kernels.attention_kernel import FULL, AttentionKernel, AttentionVariant, PagedSeqs
+from batchgen.kernels.attention_kernel import FULL, SCALE_BYTES, AttentionKernel, AttentionVariant, PagedSeqs, head_dim_of
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.kernel_status import check_status
 
 KV_CACHE_DTYPES = ("auto", "int8")  # the engine option's values: auto is the model's dtype
-SCALE_BYTES = 4
 INT8_MAX = 127
 
 
@@ -50,11 +49,6 @@ def is_int8(cache: torch.Tensor) -> bool:
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements of one (token, head) row of a cache of `dtype`."""
     return head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
-
-
-def head_dim_of(cache: torch.Tensor) -> int:
-    """The head size a cache stores."""
-    return cache.shape[-1] - SCALE_BYTES if is_int8(cache) else cache.shape[-1]
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:

@@ -65,9 +65,8 @@ def test_prefix_caching_computes_the_same_prompt_tokens_over_an_int8_pool():
     assert computed["int8"] == computed["auto"] and computed["int8"][1] > 0
 
 
-def test_int8_kv_is_refused_off_the_cpu_and_checked_as_an_option():
-    with pytest.raises(ValueError, match="kv_cache_dtype: int8 runs on a CPU; this model is on meta"):
-        KVCacheSpec.from_model(bf16_model().to("meta"), "int8")
+def test_int8_kv_is_checked_as_an_option_and_sized_for_any_device():
+    assert KVCacheSpec.from_model(bf16_model().to("meta"), "int8").cache_dtype == torch.int8
     with pytest.raises(OptionError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8")
     assert EngineConfig().kv_cache_dtype == "auto"

@@ -19,7 +19,7 @@ from unittest import mock
 import pytest
 import torch
 
-from batchgen.kernels import cuda_attention
+from batchgen.kernels import cuda_attention, kv_int8
 from batchgen.kernels.attention_kernel import PagedSeqs
 from tests.kernels.paged_inputs import BLOCK_SIZE, make_inputs, reference_attention, shared_prefix_inputs
 
@@ -46,38 +46,56 @@ def decode(q, k_cache, v_cache, seqs, scale, num_splits=None):
     return out
 
 
-def check_case(context_lens, shape, dtype, num_splits, device) -> str | None:
-    """Run one case; None when it matches the reference, else a description of the mismatch."""
+def int8_pools(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor]:
+    """(int8 k pool, int8 v pool, and their rows dequantized in float64): what a kernel over the
+    int8 pools must match is the attention of the dequantized rows."""
+    k_rows, v_rows = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
+    return k_rows, v_rows, kv_int8.dequantize(k_rows, torch.float64), kv_int8.dequantize(v_rows, torch.float64)
+
+
+def check_case(context_lens, shape, dtype, num_splits, device, int8_pool=False) -> str | None:
+    """Run one case (over int8 pools of the same rows where `int8_pool`); None when it matches the
+    reference, else a description of the mismatch."""
     num_heads, num_kv_heads, head_dim = shape
     seed = zlib.crc32(f"{dtype}-{shape}-{num_splits}".encode())
     q, k_cache, v_cache, block_tables, context_lens_tensor = make_inputs(
         context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, device)
+    k_read, v_read = k_cache, v_cache
+    if int8_pool:
+        k_cache, v_cache, k_read, v_read = int8_pools(k_cache, v_cache)
     scale = head_dim ** -0.5
     out = decode(q, k_cache, v_cache, PagedSeqs(block_tables, context_lens_tensor), scale, num_splits)
-    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens_tensor, scale)
+    expected = reference_attention(q, k_read, v_read, block_tables, context_lens_tensor, scale)
     atol, rtol = TOLERANCES[dtype]
     error = (out.double() - expected).abs()
+    name = f"{dtype} {shape} splits={num_splits}{' int8 pool' if int8_pool else ''}"
     if torch.isnan(out).any():
-        return f"{dtype} {shape} splits={num_splits}: output not written (NaN)"
+        return f"{name}: output not written (NaN)"
     if not (error <= atol + rtol * expected.abs()).all():
-        return f"{dtype} {shape} splits={num_splits}: max error {error.max().item():.3g}"
+        return f"{name}: max error {error.max().item():.3g}"
     return None
 
 
-def check_cascade_case(shape, dtype, num_splits, device) -> str | None:
+def check_cascade_case(shape, dtype, num_splits, device, int8_pool=False) -> str | None:
     """Shared-prefix groups (20 members over a prefix ending inside a block, 2 over one block, an
-    empty padding row) against the reference; None when they match."""
+    empty padding row) against the reference (over int8 pools where `int8_pool`); None when they
+    match."""
     num_heads, num_kv_heads, head_dim = shape
     q, k_cache, v_cache, block_tables, context_lens = shared_prefix_inputs(dtype, 23, num_heads, num_kv_heads,
                                                                            head_dim, device=device)
+    k_read, v_read = k_cache, v_cache
+    if int8_pool:
+        k_cache, v_cache, k_read, v_read = int8_pools(k_cache, v_cache)
     groups = torch.tensor([[0, 20, 6 * BLOCK_SIZE - 3], [20, 22, BLOCK_SIZE], [0, 0, 0]], dtype=torch.int32,
                           device=device)
     out = decode(q, k_cache, v_cache, PagedSeqs(block_tables, context_lens, groups), 0.125, num_splits)
-    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125)
+    expected = reference_attention(q, k_read, v_read, block_tables, context_lens, 0.125)
     atol, rtol = TOLERANCES[dtype]
     error = (out.double() - expected).abs()
     if torch.isnan(out).any() or not (error <= atol + rtol * expected.abs()).all():
-        return f"cascade {dtype} {shape} splits={num_splits}: max error {error.max().item():.3g}"
+        pool = " int8 pool" if int8_pool else ""
+        return f"cascade {dtype} {shape} splits={num_splits}{pool}: max error {error.max().item():.3g}"
     return None
 
 
@@ -88,11 +106,44 @@ def interpreter_cases():
             for j, shape in enumerate(SHAPES)]
 
 
+def interpreter_int8_cases():
+    """Over int8 pools: bfloat16 and float32 queries, direct and merged, a GQA group of 3 and a
+    head size that is no power of two."""
+    return [(torch.bfloat16, SHAPES[1], None), (torch.bfloat16, SHAPES[3], 3), (torch.float32, SHAPES[0], 3),
+            (torch.float32, SHAPES[2], None)]
+
+
+def check_int8_backend() -> str | None:
+    """On CUDA an int8 pool's decode rows run on the Triton kernel (cascade, graphs) and its
+    prefill chunks on SDPA over their dequantized rows: a step of both (here on the CPU, the
+    device check forced) matches the reference backend over the dequantized pool."""
+    from batchgen.kernels.attention import ReferenceBackend, make_backend
+    from tests.kernels.test_kv_int8 import paged_step
+
+    with mock.patch.object(cuda_attention, "is_available", lambda: True):
+        backend = make_backend("auto", torch.device("cuda"), torch.bfloat16, 64, torch.int8)
+    if backend.decode is not cuda_attention.paged_decode_attention or not backend.captures_decode:
+        return "int8 pool on CUDA: decode is not the Triton kernel's"
+    q, k, v, metadata = paged_step()
+    int8_k, int8_v = (kv_int8.quantize(rows).view(8, 16, 2, 68) for rows in (k, v))
+    got, expected = torch.empty_like(q), torch.empty_like(q)
+    backend.forward(q, k[metadata.slot_mapping], v[metadata.slot_mapping], int8_k, int8_v, metadata, 0.125, got)
+    ReferenceBackend().forward(q, None, None, kv_int8.dequantize(int8_k, torch.bfloat16),
+                               kv_int8.dequantize(int8_v, torch.bfloat16), metadata, 0.125, expected)
+    error = (got.float() - expected.float()).abs().max().item()
+    return None if error < 2e-2 else f"int8 pool on CUDA's backend: max error {error:.3g}"
+
+
 def main() -> None:
     """Interpreter run (under TRITON_INTERPRET=1): every case on the CPU; exit 1 on a mismatch."""
     results = [check_case(INTERPRETER_CONTEXT_LENS, shape, dtype, splits, "cpu")
                for dtype, shape, splits in interpreter_cases()]
     results += [check_cascade_case(shape, dtype, splits, "cpu") for dtype, shape, splits in interpreter_cases()]
+    results += [check_case(INTERPRETER_CONTEXT_LENS, shape, dtype, splits, "cpu", int8_pool=True)
+                for dtype, shape, splits in interpreter_int8_cases()]
+    results += [check_cascade_case(shape, dtype, splits, "cpu", int8_pool=True)
+                for dtype, shape, splits in interpreter_int8_cases()]
+    results.append(check_int8_backend())
     failures = [f for f in results if f is not None]
     print("\n".join(failures) or f"{len(results)} cases match")
     sys.exit(1 if failures else 0)
@@ -105,7 +156,7 @@ def test_interpreter_matches_reference():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert f"{2 * len(interpreter_cases())} cases match" in result.stdout
+    assert f"{2 * len(interpreter_cases()) + 2 * len(interpreter_int8_cases()) + 1} cases match" in result.stdout
 
 
 def test_module_imports_and_is_unavailable_without_triton():
