@@ -1,4 +1,5 @@
-"""Micro-benchmark: the Triton paged decode kernel vs gather + SDPA (`gather_decode`) on CUDA.
+"""Micro-benchmark: the Triton paged decode kernel vs gather + SDPA (`gather_decode`) on CUDA,
+and the kernel over int8 pools (`kv_cache_dtype: int8`) of the same rows against bf16 ones.
 
 One layer's decode step in bf16, block size 16, every sequence's blocks scattered over the
 pool, for batch 1/32/64/256 at context 1024/4096 and two attention shapes: SmolLM2-135M's (9
@@ -19,7 +20,7 @@ import statistics
 
 import torch
 
-from batchgen.kernels import cuda_attention
+from batchgen.kernels import cuda_attention, kv_int8
 from batchgen.kernels.attention import gather_decode
 from batchgen.kernels.attention_kernel import PagedSeqs
 
@@ -76,12 +77,15 @@ def bench_case(name: str, shape, num_seqs: int, context_len: int, dtype, repeats
     kernel_us = median_us(cuda_attention.paged_decode_attention, pools, scale, repeats)
     gather_us = median_us(gather_decode, pools, scale, repeats)
     bound_us = kv_bytes / bandwidth * 1e6
+    int8_pools = [(q, kv_int8.quantize(k), kv_int8.quantize(v), seqs, out) for q, k, v, seqs, out in pools]
     del pools
+    int8_us = median_us(cuda_attention.paged_decode_attention, int8_pools, scale, repeats)
+    del int8_pools
     torch.cuda.empty_cache()
     return dict(shape=name, num_seqs=num_seqs, context_len=context_len, kv_mb=kv_bytes / 1e6,
                 kernel_us=kernel_us, gather_us=gather_us, bound_us=bound_us,
                 kernel_tb_s=kv_bytes / kernel_us / 1e6, speedup=gather_us / kernel_us,
-                of_bound=bound_us / kernel_us, max_abs_diff=max_diff)
+                of_bound=bound_us / kernel_us, max_abs_diff=max_diff, int8_us=int8_us, int8_speedup=kernel_us / int8_us)
 
 
 def main() -> None:
@@ -96,8 +100,8 @@ def main() -> None:
         raise SystemExit("needs CUDA and triton")
     print(f"{torch.cuda.get_device_name()}, bf16, block size {BLOCK_SIZE}, bound at {args.bandwidth_tb_s} TB/s\n")
     print("| shape | batch | context | KV MB | kernel µs | gather µs | speedup | TB/s | bound µs | of bound "
-          "| max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| max diff | int8 pool µs | int8 vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name, shape in SHAPES.items():
         for num_seqs in map(int, args.batches.split(",")):
@@ -107,7 +111,8 @@ def main() -> None:
                 rows.append(row)
                 print(f"| {name} | {num_seqs} | {context_len} | {row['kv_mb']:.1f} | {row['kernel_us']:.1f} | "
                       f"{row['gather_us']:.1f} | {row['speedup']:.1f}x | {row['kernel_tb_s']:.2f} | "
-                      f"{row['bound_us']:.1f} | {row['of_bound']:.0%} | {row['max_abs_diff']:.1e} |", flush=True)
+                      f"{row['bound_us']:.1f} | {row['of_bound']:.0%} | {row['max_abs_diff']:.1e} | {row['int8_us']:.1f} | "
+                      f"{row['int8_speedup']:.2f}x |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

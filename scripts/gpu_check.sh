@@ -97,7 +97,7 @@ step kernel-tests 120 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -
     tests/kernels/test_decoder_ops.py
 step exactness 120 tests.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cuda_exactness.py \
     tests/engine/test_fused_decoder.py
-step attention-bench 45 attention_bench.log "$PYTHON" scripts/bench_cuda_attention.py --repeats 30
+step attention-bench 60 attention_bench.log "$PYTHON" scripts/bench_cuda_attention.py --repeats 30
 step roofline 120 roofline.log "$PYTHON" scripts/roofline.py --device cuda --dtype bfloat16 \
     --model random-smollm2 --out "$OUTDIR/roofline_gpu.json"
 # Default: transformers' padded generate at a GPU batch size, batchgen with transformers' forward

@@ -208,6 +208,16 @@ def test_cuda_cascade_matches_reference(dtype, shape, num_splits):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_over_int8_pools_matches_reference(dtype, shape, num_splits):
+    assert check_case(CUDA_CONTEXT_LENS, shape, dtype, num_splits, "cuda", int8_pool=True) is None
+    assert check_cascade_case(shape, dtype, num_splits, "cuda", int8_pool=True) is None
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_cuda_strided_query_and_backend_wiring():
     from batchgen.kernels.attention import gather_decode, make_backend
 
