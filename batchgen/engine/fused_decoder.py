@@ -99,13 +99,15 @@ def add_norm(ops, out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | N
         ops.add_norm(out, residual, x, norm.weight, norm.bias, norm.eps, norm.kind)
 
 
-def pack(linear: Linear | None, quantization: str,
-         input_ranges: dict[nn.Module, torch.Tensor] | None = None) -> PackedWeight | None:
-    """`linear` packed (quantized), its int8 inputs smoothed where `input_ranges` holds its source's."""
+def pack(linear: Linear | None, quantization: str, input_ranges: dict[nn.Module, torch.Tensor] | None = None,
+         silu_gated: bool = False) -> PackedWeight | None:
+    """`linear` packed (quantized), its int8 inputs smoothed where `input_ranges` holds its
+    source's; a SiLU-gated MLP's [gate; up] product (`silu_gated`) with its activation where the
+    int8 kernel computes both (`PackedWeight.is_silu_gated`)."""
     if linear is None:
         return None
     input_absmax = None if input_ranges is None else input_ranges.get(linear.source)
-    return pack_weights([linear.weight], [linear.bias], quantization, input_absmax)
+    return pack_weights([linear.weight], [linear.bias], quantization, input_absmax, silu_gated)
 
 
 @dataclass
@@ -134,7 +136,10 @@ class FusedLayer:
                                          "rms" if spec.norm_kind == "rms" else "rms_scaled", q_norm.eps)
         norms = [FusedNorm.of(norm, spec) for norm in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                                                        layer.mlp_out_norm)]
-        products = [pack(linear, quantization, input_ranges) for linear in layer.products]
+        qkv, o, mlp_in, mlp_out = layer.products
+        products = [pack(qkv, quantization, input_ranges), pack(o, quantization, input_ranges),
+                    pack(mlp_in, quantization, input_ranges, silu_gated=spec.gated and spec.activation is None),
+                    pack(mlp_out, quantization, input_ranges)]
         moe = None if layer.moe is None else MoeLayer(layer.moe)
         return cls(*products, moe, *norms, qk_norm, attention.scale, attention.variant, rotary_key)
 
@@ -304,7 +309,10 @@ class FusedDecoder:
         """The MLP's output for the rows `x` (padded as they are)."""
         if layer.moe is not None:
             return layer.moe.forward(x, rows.num_tokens)
-        return packed_linear(self.activation(packed_linear(x, layer.mlp_in)), layer.mlp_out)
+        hidden = packed_linear(x, layer.mlp_in)
+        if not layer.mlp_in.is_silu_gated:
+            hidden = self.activation(hidden)
+        return packed_linear(hidden, layer.mlp_out)
 
     def logits(self, kept: torch.Tensor) -> torch.Tensor:
         num_kept = len(kept)

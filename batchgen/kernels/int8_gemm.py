@@ -11,6 +11,8 @@ Invariants:
 - `linear` equals `int8_linear`'s torch computation of the same quantization exactly (its rows
   quantized as `int8_linear.quantize_rows` does, the int32 sums exact, the float32 scaling in
   the same order, the bf16 rounding once).
+- A gated `linear` (a weight of [gate; up] rows in `silu_gated_order`) equals `decoder_ops.silu_mul`
+  of the plain product of the [gate; up] weight, bit for bit: it never writes the gate|up rows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from batchgen.kernels.c_library import load_library
 from batchgen.kernels.profiler_spans import INT8_LINEAR_SPAN, profiler_span
 
 AMX_PANEL_COLUMNS = 32  # the AMX path's panel width (the VNNI path's is 96)
+GATED_BLOCK = 16  # a gated weight's gate and up rows alternate in runs of this many
 # products are scaled by two float32 multiplications and the bias added apart, as the reference does
 COMPILE_FLAGS = ("-ffp-contract=off",)
 
@@ -42,7 +45,7 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.bg_int8_linear.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer,
-                                       pointer, pointer, size, pointer, ctypes.c_int]
+                                       pointer, pointer, size, ctypes.c_int, pointer, ctypes.c_int]
     library.bg_int8_linear.restype = None
     return library
 
@@ -83,21 +86,31 @@ def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, compensation
 
 
+def silu_gated_order(out_features: int) -> torch.Tensor:
+    """The rows of a [gate; up] weight (`out_features` = 2 x width, width a multiple of
+    GATED_BLOCK) in the order a gated `linear` takes them: each GATED_BLOCK gate rows, then their
+    up rows."""
+    return torch.arange(out_features).view(2, -1, GATED_BLOCK).transpose(0, 1).reshape(-1)
+
+
 def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
-           bias: torch.Tensor | None, out_features: int, smoothing: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None, out_features: int, smoothing: torch.Tensor | None = None,
+           gated: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows (times `smoothing`, float32
     per input, where given) quantized per token in the same call, where ``weight / smoothing =
-    values * scales[:, None]`` and ``pack(values) = (panels, compensation)``."""
+    values * scales[:, None]`` and ``pack(values) = (panels, compensation)``. `gated` (no bias):
+    `weight` is [gate; up] in `silu_gated_order`, and the result silu(gate) * up, out_features / 2
+    wide."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     k_padded = padded_inputs(k)
     scratch = torch.empty(m * (k_padded + 4), dtype=torch.int8)  # the rows' int8 values, then their float32 scales
-    out = x.new_empty((m, out_features))
+    out = x.new_empty((m, out_features // 2 if gated else out_features))
     with profiler_span(INT8_LINEAR_SPAN):
         _library().bg_int8_linear(x.data_ptr(), x.stride(0), m, k, None if smoothing is None else smoothing.data_ptr(),
                                   scratch.data_ptr(),
                                   scratch.data_ptr() + m * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
                                   compensation.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
-                                  out.data_ptr(), torch.get_num_threads())
+                                  gated, out.data_ptr(), torch.get_num_threads())
     return out

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from batchgen.engine import calibration
+from batchgen.engine import calibration, fused_decoder
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import decoder_ops
+from batchgen.kernels import decoder_ops, int8_gemm
 from batchgen.kernels.int8_linear import Int8Weight, int8_linear, quantized_channels, smoothing_of
 from batchgen.options import OptionError
 from tests.conftest import prefill_placed_prompts, tiny_model
@@ -93,6 +93,18 @@ def test_quantized_step_computes_the_quantized_linears_of_transformers_forward(m
     # as close as the bf16 fused step is to transformers' bf16 forward, and far closer than to no quantization
     assert error <= 0.02 * (expected.max() - expected.min())
     assert error < quantization_error / 3
+
+
+def test_the_silu_gated_mlp_product_gives_the_unfused_steps_logits(monkeypatch):
+    if not int8_gemm.is_available():
+        pytest.skip("no int8 kernel on this CPU")
+    model = bf16_model()
+    runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, quantization="int8"))
+    assert all(layer.mlp_in.is_silu_gated for layer in runner.fused.layers)
+    got = step_logits(model, quantization="int8")
+    pack_weights = fused_decoder.pack_weights
+    monkeypatch.setattr(fused_decoder, "pack_weights", lambda *args: pack_weights(*args[:4]))  # never gated
+    assert torch.equal(got, step_logits(model, quantization="int8"))
 
 
 def test_only_the_decoder_layers_are_quantized_once_at_load():

@@ -104,3 +104,25 @@ def test_the_quantized_product_is_near_the_bf16_product():
     got = int8_linear.int8_linear(x, int8_linear.quantize_weight(weight, "int8"), None).float()
     exact = x.float() @ weight.float().T
     assert (got - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_gated_product_is_silu_mul_of_the_plain_product_bit_for_bit(rows, threads):
+    from batchgen.kernels import decoder_ops
+
+    width, in_features = 96, 130
+    weight = random_bf16(2 * width, in_features, seed=4)  # [gate; up]
+    x = random_bf16(rows, in_features, seed=5)
+    input_absmax = x.float().abs().amax(dim=0) * torch.linspace(0.5, 50, in_features)
+    plain = int8_linear.quantize_weight(weight, "int8", input_absmax)
+    gated = int8_linear.quantize_weight(weight, "int8", input_absmax, silu_gated=True)
+    assert gated.silu_gated and not plain.silu_gated
+    assert torch.equal(gated.scales, plain.scales[int8_gemm.silu_gated_order(2 * width)])
+    with torch_threads(threads):
+        got = int8_linear.int8_linear(x, gated, None)
+        expected = torch.empty(rows, width, dtype=torch.bfloat16)
+        decoder_ops.silu_mul(expected, int8_linear.int8_linear(x, plain, None))
+    assert torch.equal(got, expected)
+    odd = int8_linear.quantize_weight(random_bf16(2 * 40, 64, seed=6), "int8", silu_gated=True)
+    assert not odd.silu_gated  # halves of 40 rows are no whole blocks: the plain product

@@ -12,7 +12,10 @@
  *                                / 127: each row quantized symmetric, per token; the int32 sum is exact, the
  *                                scaling two float32 products (no fused multiply-add: the build
  *                                has -ffp-contract=off), the bias one float32 addition, rounded
- *                                to nearest even once
+ *                                to nearest even once; with `gated`, the weight's rows are
+ *                                [gate; up] halves interleaved per 16 (`int8_gemm.silu_gated_order`)
+ *                                and out[m, n / 2] = bf16(silu(gate) * up) of those bf16 values,
+ *                                as decoder_ops' bg_silu_mul computes it (`silu_mul16`)
  *
  * Inputs come in multiples of INPUT_MULTIPLE (64, one AMX tile row of int8): the weight and the
  * quantized rows are padded with zeros to it, so any number of inputs is taken.
@@ -46,6 +49,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "lanes16.h"
+
 #define BLOCK_COLUMNS 16                  /* one vector of int32 accumulators */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define PANEL_BLOCKS 2
@@ -78,11 +83,24 @@ static inline Columns columns_at(const float *w_scales, const uint16_t *bias, in
 }
 
 /* One row's 16 columns from their exact int32 sums: scaled, bias added (adding a bias of zeros
- * changes no value), rounded to bf16 and stored; columns past n left alone. */
-static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Columns columns, int64_t col) {
+ * changes no value), before their rounding to bf16. */
+static inline __m512 scaled(__m512i sums, float x_scale, Columns columns) {
     __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_set1_ps(x_scale), columns.w_scales));
-    value = _mm512_add_ps(value, columns.bias);
-    _mm256_mask_storeu_epi16(out + col, columns.mask, (__m256i)_mm512_cvtneps_pbh(value));
+    return _mm512_add_ps(value, columns.bias);
+}
+
+/* One row's 16 columns, `scaled`, rounded to bf16 and stored; columns past n left alone. */
+static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Columns columns, int64_t col) {
+    _mm256_mask_storeu_epi16(out + col, columns.mask, to_bf16x16(scaled(sums, x_scale, columns)));
+}
+
+/* One row's 16 outputs of a gated product from its 16 gate columns' and their 16 up columns'
+ * sums: each `scaled` and rounded to bf16 (the unfused product's output), then silu(gate) * up
+ * rounded to bf16 (bg_silu_mul's), stored at out. */
+static inline void store_gated_block(uint16_t *out, __m512i gate_sums, __m512i up_sums, float x_scale, Columns gate,
+                                     Columns up) {
+    __m512 gate_value = round16(scaled(gate_sums, x_scale, gate), 1), up_value = round16(scaled(up_sums, x_scale, up), 1);
+    _mm256_storeu_si256((__m256i *)out, to_bf16x16(silu_mul16(gate_value, up_value, 1)));
 }
 
 /* x[i, i + 16) as float32, each times smoothing[i] where it is given. */
@@ -154,9 +172,21 @@ static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t 
     }
 }
 
-/* One block's sums (`block`'s four tiles) scaled into out's rows [row, row + rows) and panel p's columns. */
+/* One block's sums (`block`'s four tiles) scaled into out's rows [row, row + rows) and panel p's
+ * columns; `gated`: the panel's 16 gate and 16 up columns into outputs [16p, 16p + 16) of rows
+ * n / 2 wide. */
 static void store_sums(const int32_t *sums, int rows, int64_t row, int64_t p, const float *x_scales,
-                       const float *w_scales, const uint16_t *bias, int64_t n, uint16_t *out) {
+                       const float *w_scales, const uint16_t *bias, int64_t n, int gated, uint16_t *out) {
+    if (gated) {
+        const Columns gate = columns_at(w_scales, 0, p * PANEL_COLUMNS, n);
+        const Columns up = columns_at(w_scales, 0, p * PANEL_COLUMNS + BLOCK_COLUMNS, n);
+        for (int r = 0; r < rows; r++) {
+            const int32_t *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
+            store_gated_block(out + (row + r) * (n / 2) + p * BLOCK_COLUMNS, _mm512_load_si512(tile_row),
+                              _mm512_load_si512(tile_row + 256), x_scales[row + r], gate, up);
+        }
+        return;
+    }
     for (int half = 0; half < 2 && p * PANEL_COLUMNS + half * BLOCK_COLUMNS < n; half++) {
         const int64_t col = p * PANEL_COLUMNS + half * BLOCK_COLUMNS;
         const Columns columns = columns_at(w_scales, bias, col, n);
@@ -170,8 +200,8 @@ static void store_sums(const int32_t *sums, int rows, int64_t row, int64_t p, co
 /* Rows [first_row, last_row) over panels [first, last), in blocks of `rows` (the tiles are
  * configured for it). The blocks of a panel ask for the next panel's weight into L2. */
 static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const int8_t *weight, const float *w_scales,
-                     const uint16_t *bias, int64_t n, uint16_t *out, int64_t first, int64_t last, int64_t first_row,
-                     int64_t last_row, int rows) {
+                     const uint16_t *bias, int64_t n, int gated, uint16_t *out, int64_t first, int64_t last,
+                     int64_t first_row, int64_t last_row, int rows) {
     int32_t sums[4 * 256] __attribute__((aligned(64)));
     int top = rows < 16 ? rows : 16, bottom = rows - top;
     const int64_t panel_bytes = k * PANEL_COLUMNS, next_lines = panel_bytes / LINE_BYTES;
@@ -183,26 +213,26 @@ static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const in
             int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
             block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES,
                   to - from, sums);
-            store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, out);
+            store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, gated, out);
         }
     }
 }
 
 static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
                         const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
-                        uint16_t *out, int64_t first, int64_t last) {
+                        int gated, uint16_t *out, int64_t first, int64_t last) {
     (void)compensation; /* tdpbssd multiplies signed by signed */
     int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
     if (full_rows > 0) {
         configure_block_tiles(16, 16);
         for (int64_t start = 0; start < full_rows; start += SUPER_ROWS)
-            row_pass(q, x_scales, k, weight, w_scales, bias, n, out, first, last, start,
+            row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, out, first, last, start,
                      start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows, BLOCK_ROWS);
     }
     if (m > full_rows) {
         int rows = (int)(m - full_rows);
         configure_block_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
-        row_pass(q, x_scales, k, weight, w_scales, bias, n, out, first, last, full_rows, m, rows);
+        row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, out, first, last, full_rows, m, rows);
     }
     _tile_release();
 }
@@ -223,11 +253,12 @@ static int8_t *quantized_row(int8_t *q, int64_t m, int64_t k, int64_t r, int64_t
 #define TILE_ROWS 4
 #define MAX_PREFETCH_TILES 16             /* more tiles per panel: its later tiles hit cache */
 
-/* Rows [0, rows) of q (row stride k) times one panel, into out's columns [col, col + PANEL_COLUMNS);
- * rows past `rows` read row rows - 1 and are not stored. */
+/* Rows [0, rows) of q (row stride k) times one panel, into out's columns [col, col + PANEL_COLUMNS)
+ * (`gated`: each pair of 16 gate and 16 up columns into 16 outputs, from col / 2, of rows n / 2
+ * wide); rows past `rows` read row rows - 1 and are not stored. */
 static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, const int8_t *panel,
                  const char *ahead, int64_t ahead_lines, int64_t per_quad, const float *w_scales,
-                 const int32_t *compensation, const uint16_t *bias, uint16_t *out, int64_t col, int64_t n) {
+                 const int32_t *compensation, const uint16_t *bias, int gated, uint16_t *out, int64_t col, int64_t n) {
     __m512i acc[TILE_ROWS][PANEL_BLOCKS];
     const int32_t *quads[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) {
@@ -248,15 +279,24 @@ static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, co
     }
     for (int j = 0; j < PANEL_BLOCKS && col + j * BLOCK_COLUMNS < n; j++) {
         const __m512i offset = _mm512_loadu_si512(compensation + col + j * BLOCK_COLUMNS);
+        for (int r = 0; r < rows; r++) acc[r][j] = _mm512_sub_epi32(acc[r][j], offset);
+    }
+    for (int j = 0; j < PANEL_BLOCKS && col + j * BLOCK_COLUMNS < n; j += 1 + gated) {
         const Columns columns = columns_at(w_scales, bias, col + j * BLOCK_COLUMNS, n);
-        for (int r = 0; r < rows; r++)
-            store_block(out + r * n, _mm512_sub_epi32(acc[r][j], offset), x_scales[r], columns, col + j * BLOCK_COLUMNS);
+        if (gated) {
+            const Columns up = columns_at(w_scales, 0, col + (j + 1) * BLOCK_COLUMNS, n);
+            for (int r = 0; r < rows; r++)
+                store_gated_block(out + r * (n / 2) + (col + j * BLOCK_COLUMNS) / 2, acc[r][j], acc[r][j + 1],
+                                  x_scales[r], columns, up);
+            continue;
+        }
+        for (int r = 0; r < rows; r++) store_block(out + r * n, acc[r][j], x_scales[r], columns, col + j * BLOCK_COLUMNS);
     }
 }
 
 static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
                         const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
-                        uint16_t *out, int64_t first, int64_t last) {
+                        int gated, uint16_t *out, int64_t first, int64_t last) {
     const int64_t panel_bytes = k * PANEL_COLUMNS, panel_lines = panel_bytes / LINE_BYTES;
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t lines_per_tile = tiles <= MAX_PREFETCH_TILES ? (panel_lines + tiles - 1) / tiles : 0;
@@ -269,7 +309,8 @@ static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64
             int64_t lines = next_lines - asked < lines_per_tile ? next_lines - asked : lines_per_tile;
             int rows = (int)(m - row < TILE_ROWS ? m - row : TILE_ROWS);
             tile(q + row * k, x_scales + row, k, rows, panel, (const char *)(panel + panel_bytes) + asked * LINE_BYTES,
-                 lines > 0 ? lines : 0, per_quad, w_scales, compensation, bias, out + row * n, p * PANEL_COLUMNS, n);
+                 lines > 0 ? lines : 0, per_quad, w_scales, compensation, bias, gated, out + row * (gated ? n / 2 : n),
+                 p * PANEL_COLUMNS, n);
         }
     }
 }
@@ -293,12 +334,13 @@ int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
  * x_scales [m]
  * (scratch the caller allocates; k_padded a multiple of INPUT_MULTIPLE, >= k); weight packed as
  * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
- * sum); bias [n] bf16 or NULL; out [m, n] bf16. Each thread quantizes a share of the rows, then
- * all compute their panels. m may be 0: nothing is computed. */
+ * sum); bias [n] bf16 or NULL; out [m, n] bf16, or with `gated` (n a multiple of 32, no bias)
+ * [m, n / 2]. Each thread quantizes a share of the rows, then all compute their panels. m may be
+ * 0: nothing is computed. */
 void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const float *smoothing, int8_t *q,
                     float *x_scales,
                     int64_t k_padded, const int8_t *weight, const float *w_scales, const int32_t *compensation,
-                    const uint16_t *bias, int64_t n, uint16_t *out, int num_threads) {
+                    const uint16_t *bias, int64_t n, int gated, uint16_t *out, int num_threads) {
     if (m < 1) return;
     int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     if (num_threads > panels) num_threads = (int)panels;
@@ -312,7 +354,7 @@ void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
             quantize_row(x + r * x_stride, smoothing, k, row, k_padded, chunk_stride, x_scales + r);
         }
 #pragma omp barrier
-        panel_range(q, x_scales, m, k_padded, weight, w_scales, compensation, bias, n, out, panels * thread / team,
+        panel_range(q, x_scales, m, k_padded, weight, w_scales, compensation, bias, n, gated, out, panels * thread / team,
                     panels * (thread + 1) / team);
     }
 }
