@@ -10,6 +10,10 @@ packed result and torch's (int8_gemm's, which quantizes, left out of it).
 
     python scripts/bench_cpu_linear.py [--repeats 10] [--rows 1,8,32,128,2048] [--layers 30]
     python scripts/bench_cpu_linear.py --dtype bfloat16      # adds bf16_gemm's and int8_gemm's columns
+
+In bf16 with the int8 kernel it then times a layer's MLP input, the gate|up product and its SiLU:
+the product and `decoder_ops.silu_mul` against the gated product that computes both
+(`int8_gemm.linear(gated=True)`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from bench_cpu_attention import median_ms
 
-from batchgen.kernels import bf16_gemm, int8_gemm
+from batchgen.kernels import bf16_gemm, decoder_ops, int8_gemm
 from batchgen.kernels.int8_linear import int8_linear, quantize_weight
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, NUM_LAYERS = 576, 1536, 192, 49152, 30
@@ -63,6 +67,28 @@ def compare(name: str, weights: list[torch.Tensor], products: dict, num_rows: in
     print(f"{name:<10}{num_rows:>6}" + "".join(f"{ms:>14.3f}" for ms in times.values()) + f"{speedups}{diff:>12.1e}")
 
 
+def compare_gated(copies: int, rows: list[int], repeats: int) -> None:
+    """gate|up then SiLU per layer: the int8 product and the SiLU pass against the gated product."""
+    gate_ups = [torch.cat(make_weights([(INTERMEDIATE, HIDDEN)] * 2, 1, torch.bfloat16)) for _ in range(copies)]
+    plain = [quantize_weight(w, "int8") for w in gate_ups]
+    gated = [quantize_weight(w, "int8", silu_gated=True) for w in gate_ups]
+
+    def unfused(x):
+        for weight in plain:
+            decoder_ops.silu_mul(x.new_empty((len(x), INTERMEDIATE)), int8_linear(x, weight, None))
+
+    def fused(x):
+        for weight in gated:
+            int8_linear(x, weight, None)
+
+    print(f"\nMLP input (gate|up -> SiLU), int8, ms per layer\n{'rows':>6}{'unfused ms':>14}{'gated ms':>14}"
+          f"{'speedup':>10}")
+    for num_rows in rows:
+        x = torch.randn(num_rows, HIDDEN).bfloat16()
+        unfused_ms, fused_ms = (median_ms(run, (x,), repeats) / copies for run in (unfused, fused))
+        print(f"{num_rows:>6}{unfused_ms:>14.3f}{fused_ms:>14.3f}{unfused_ms / fused_ms:>9.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -84,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         for num_rows in (int(r) for r in options.rows.split(",")):
             compare("layer", body, body_gemms, num_rows, options.repeats, options.layers, dtype)
             compare("lm_head", lm_head, lm_head_gemms, num_rows, options.repeats, 1, dtype)
+        if QUANTIZED in body_gemms and decoder_ops.is_available():
+            compare_gated(options.layers, [int(r) for r in options.rows.split(",")], options.repeats)
 
 
 if __name__ == "__main__":
