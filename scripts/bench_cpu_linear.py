@@ -71,7 +71,7 @@ def compare_gated(copies: int, rows: list[int], repeats: int) -> None:
     """gate|up then SiLU per layer: the int8 product and the SiLU pass against the gated product."""
     gate_ups = [torch.cat(make_weights([(INTERMEDIATE, HIDDEN)] * 2, 1, torch.bfloat16)) for _ in range(copies)]
     plain = [quantize_weight(w, "int8") for w in gate_ups]
-    gated = [quantize_weight(w, "int8", silu_gated=True) for w in gate_ups]
+    gated = [quantize_weight(w, "int8", gated="silu") for w in gate_ups]
 
     def unfused(x):
         for weight in plain:

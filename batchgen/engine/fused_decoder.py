@@ -100,14 +100,14 @@ def add_norm(ops, out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | N
 
 
 def pack(linear: Linear | None, quantization: str, input_ranges: dict[nn.Module, torch.Tensor] | None = None,
-         silu_gated: bool = False) -> PackedWeight | None:
+         gated: str | None = None) -> PackedWeight | None:
     """`linear` packed (quantized), its int8 inputs smoothed where `input_ranges` holds its
-    source's; a SiLU-gated MLP's [gate; up] product (`silu_gated`) with its activation where the
-    int8 kernel computes both (`PackedWeight.is_silu_gated`)."""
+    source's; a gated MLP's [gate; up] product with its activation (`gated`) where the int8 kernel
+    computes both (`PackedWeight.gated`)."""
     if linear is None:
         return None
     input_absmax = None if input_ranges is None else input_ranges.get(linear.source)
-    return pack_weights([linear.weight], [linear.bias], quantization, input_absmax, silu_gated)
+    return pack_weights([linear.weight], [linear.bias], quantization, input_absmax, gated)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class FusedLayer:
                                                        layer.mlp_out_norm)]
         qkv, o, mlp_in, mlp_out = layer.products
         products = [pack(qkv, quantization, input_ranges), pack(o, quantization, input_ranges),
-                    pack(mlp_in, quantization, input_ranges, silu_gated=spec.gated and spec.activation is None),
+                    pack(mlp_in, quantization, input_ranges, gated=gated_activation(spec)),
                     pack(mlp_out, quantization, input_ranges)]
         moe = None if layer.moe is None else MoeLayer(layer.moe)
         return cls(*products, moe, *norms, qk_norm, attention.scale, attention.variant, rotary_key)
@@ -158,6 +158,16 @@ def fused_activation(spec: ModelSpec, ops) -> Callable[[torch.Tensor], torch.Ten
     if isinstance(activation, NewGELUActivation) and hasattr(ops, "gelu_new"):
         return ops.gelu_new
     return activation
+
+
+def gated_activation(spec: ModelSpec) -> str | None:
+    """A gated MLP's activation as the int8 kernel names it (`int8_gemm.GATED_ACTIVATIONS`): SiLU
+    or tanh GELU; None for another or an ungated MLP."""
+    if spec.gated and spec.activation is None:
+        return "silu"
+    if spec.gated and isinstance(spec.activation, GELUTanh):
+        return "gelu_tanh"
+    return None
 
 
 def gated(op, rows: torch.Tensor) -> torch.Tensor:
@@ -310,7 +320,7 @@ class FusedDecoder:
         if layer.moe is not None:
             return layer.moe.forward(x, rows.num_tokens)
         hidden = packed_linear(x, layer.mlp_in)
-        if not layer.mlp_in.is_silu_gated:
+        if layer.mlp_in.gated is None:
             hidden = self.activation(hidden)
         return packed_linear(hidden, layer.mlp_out)
 

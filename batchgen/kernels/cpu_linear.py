@@ -57,9 +57,9 @@ class PackedWeight:
     int8: Int8Weight | None = None  # the weight quantized (`quantization` int8 or int8-weight); None otherwise
 
     @property
-    def is_silu_gated(self) -> bool:
-        """Whether its products are silu(gate) * up of its [gate; up] rows (`pack_weights`)."""
-        return self.int8 is not None and self.int8.silu_gated
+    def gated(self) -> str | None:
+        """The activation its products apply to their [gate; up] rows (act(gate) * up), or None."""
+        return None if self.int8 is None else self.int8.gated
 
 
 def row_bucket(weights: list[PackedWeight]) -> int:
@@ -74,27 +74,28 @@ def bucketed(num_rows: int, bucket: int) -> int:
 
 
 def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None], quantization: str = "none",
-                 input_absmax: torch.Tensor | None = None, silu_gated: bool = False) -> PackedWeight:
+                 input_absmax: torch.Tensor | None = None, gated: str | None = None) -> PackedWeight:
     """The row-wise concatenation of `weights` (and of their biases, all given or all None),
     packed once: one product computes all of them. A bf16 weight the kernel takes is packed for
     it, and for oneDNN too where the kernel runs only small products (on AMX: both copies).
     With `quantization` (``int8``, ``int8-weight``) it is quantized instead (`int8_linear`), its
     inputs smoothed where their calibrated ranges (`input_absmax`) are given; a [gate; up] weight
-    without a bias (`silu_gated`) may then compute silu(gate) * up (see `is_silu_gated`). Weights
+    without a bias, with its MLP's activation (`gated`), may then compute act(gate) * up (see
+    `PackedWeight.gated`). Weights
     loaded quantized (`loaded_int8.LoadedWeight`) take their int8 form from their source."""
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    silu_gated = silu_gated and bias is None
+    gated = gated if bias is None else None
     if isinstance(weights[0], LoadedWeight):
         if quantization == "none":
             raise ValueError("a weight loaded in int8 runs only with a quantization (int8 or int8-weight)")
         loaded = weights[0] if len(weights) == 1 else LoadedWeight.cat(weights)
         return PackedWeight(None, None, 0, bias, loaded.shape[0],
-                            int8=loaded.int8(quantization, input_absmax, silu_gated))
+                            int8=loaded.int8(quantization, input_absmax, gated))
     weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     out_features, in_features = weight.shape
     if quantization != "none":
         return PackedWeight(None, None, 0, bias, out_features,
-                            int8=quantize_weight(weight, quantization, input_absmax, silu_gated=silu_gated))
+                            int8=quantize_weight(weight, quantization, input_absmax, gated=gated))
     if weight.device.type != "cpu":
         return PackedWeight(None, None, 0, bias, out_features, dense=weight)
     on_kernel = weight.dtype == torch.bfloat16 and bf16_gemm.takes(in_features)

@@ -11,8 +11,9 @@ Invariants:
 - `linear` equals `int8_linear`'s torch computation of the same quantization exactly (its rows
   quantized as `int8_linear.quantize_rows` does, the int32 sums exact, the float32 scaling in
   the same order, the bf16 rounding once).
-- A gated `linear` (a weight of [gate; up] rows in `silu_gated_order`) equals `decoder_ops.silu_mul`
-  of the plain product of the [gate; up] weight, bit for bit: it never writes the gate|up rows.
+- A gated `linear` (a weight of [gate; up] rows in `gated_order`) equals `decoder_ops.silu_mul`
+  (or `gelu_tanh_mul`) of the plain product of the [gate; up] weight, bit for bit: it never
+  writes the gate|up rows.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from batchgen.kernels.profiler_spans import INT8_LINEAR_SPAN, profiler_span
 
 AMX_PANEL_COLUMNS = 32  # the AMX path's panel width (the VNNI path's is 96)
 GATED_BLOCK = 16  # a gated weight's gate and up rows alternate in runs of this many
+GATED_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # int8_gemm.c's GATED_* codes
 # products are scaled by two float32 multiplications and the bias added apart, as the reference does
 COMPILE_FLAGS = ("-ffp-contract=off",)
 
@@ -86,7 +88,7 @@ def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, compensation
 
 
-def silu_gated_order(out_features: int) -> torch.Tensor:
+def gated_order(out_features: int) -> torch.Tensor:
     """The rows of a [gate; up] weight (`out_features` = 2 x width, width a multiple of
     GATED_BLOCK) in the order a gated `linear` takes them: each GATED_BLOCK gate rows, then their
     up rows."""
@@ -95,12 +97,12 @@ def silu_gated_order(out_features: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, out_features: int, smoothing: torch.Tensor | None = None,
-           gated: bool = False) -> torch.Tensor:
+           gated: str | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows (times `smoothing`, float32
     per input, where given) quantized per token in the same call, where ``weight / smoothing =
-    values * scales[:, None]`` and ``pack(values) = (panels, compensation)``. `gated` (no bias):
-    `weight` is [gate; up] in `silu_gated_order`, and the result silu(gate) * up, out_features / 2
-    wide."""
+    values * scales[:, None]`` and ``pack(values) = (panels, compensation)``. `gated` (an activation
+    of GATED_ACTIVATIONS; no bias): `weight` is [gate; up] in `gated_order`, and the result
+    act(gate) * up, out_features / 2 wide."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -112,5 +114,5 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
                                   scratch.data_ptr(),
                                   scratch.data_ptr() + m * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
                                   compensation.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
-                                  gated, out.data_ptr(), torch.get_num_threads())
+                                  GATED_ACTIVATIONS.get(gated, 0), out.data_ptr(), torch.get_num_threads())
     return out

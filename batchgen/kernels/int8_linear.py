@@ -20,7 +20,7 @@ Invariants:
 - `quantize_rows` is the same per-token quantization for any device: ``q = round(x * (127 /
   max|x|))`` to nearest even, ``scale = max|x| / 127``, a row of zeros giving q = 0, scale 0.
 - `int8_linear` returns the input's dtype (bfloat16) and takes any row count, 0 included; a
-  `silu_gated` weight returns silu(gate) * up, half its out_features wide.
+  `gated` weight returns act(gate) * up, half its out_features wide.
 """
 
 from __future__ import annotations
@@ -52,28 +52,30 @@ class Int8Weight:
     panels: torch.Tensor | None = None  # int8_gemm.pack's layout
     compensation: torch.Tensor | None = None
     smoothing: torch.Tensor | None = None  # [k] float32: W8A8 inputs are multiplied by it before quantizing
-    silu_gated: bool = False  # rows [gate; up] in int8_gemm.silu_gated_order: the product is silu(gate) * up
+    gated: str | None = None  # an activation of int8_gemm.GATED_ACTIVATIONS: rows [gate; up] in
+    # int8_gemm.gated_order, the product act(gate) * up
 
 
 def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor | None = None,
-                    dtype: torch.dtype | None = None, silu_gated: bool = False) -> Int8Weight:
+                    dtype: torch.dtype | None = None, gated: str | None = None) -> Int8Weight:
     """`weight` [n, k] quantized for `mode` (``int8`` or ``int8-weight``), packed for the C
     kernel where it runs W8A8 products (a bf16 model, `dtype`, by default the weight's, on a CPU
     that has it). For ``int8`` with `input_absmax` (the largest |input| per input channel seen in
-    calibration), the inputs are smoothed (`smoothing_of`). With `silu_gated` (a [gate; up]
-    weight), its products on the C kernel are silu(gate) * up (`Int8Weight.silu_gated`) where its
-    halves are whole gated blocks."""
+    calibration), the inputs are smoothed (`smoothing_of`). With `gated` (a [gate; up] weight and
+    its MLP's activation), its products on the C kernel are act(gate) * up (`Int8Weight.gated`)
+    where its halves are whole gated blocks."""
     smoothing = None if mode != "int8" or input_absmax is None else smoothing_of(weight, input_absmax)
     values, scales = quantized_channels(weight if smoothing is None else weight.float() / smoothing, mode)
     on_kernel = (weight.device.type == "cpu" and (dtype or weight.dtype) == torch.bfloat16
                  and int8_gemm.is_available())
     if mode == "int8" and on_kernel:
-        is_gated = silu_gated and len(values) % (2 * int8_gemm.GATED_BLOCK) == 0
-        if is_gated:
-            order = int8_gemm.silu_gated_order(len(values))
+        if len(values) % (2 * int8_gemm.GATED_BLOCK):
+            gated = None
+        if gated is not None:
+            order = int8_gemm.gated_order(len(values))
             values, scales = values[order], scales[order]
         panels, compensation = int8_gemm.pack(values)
-        return Int8Weight(None, scales, True, panels, compensation, smoothing, is_gated)
+        return Int8Weight(None, scales, True, panels, compensation, smoothing, gated)
     return Int8Weight(values, scales, mode == "int8", smoothing=smoothing)
 
 
@@ -112,7 +114,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     out_features = len(weight.scales)
     if weight.panels is not None:
         return int8_gemm.linear(x, weight.panels, weight.compensation, weight.scales, bias, out_features,
-                                weight.smoothing, weight.silu_gated)
+                                weight.smoothing, weight.gated)
     if not weight.activations_quantized:
         return weight_only_linear(x, weight, bias)
     q, x_scales = quantize_rows(x if weight.smoothing is None else x.float() * weight.smoothing)

@@ -69,13 +69,13 @@ class LoadedWeight:
         """These rows in `order`."""
         return LoadedWeight(self.values[order], self.scales[order], lambda: self.dequantize()[order], self.dtype)
 
-    def int8(self, mode: str, input_absmax: torch.Tensor | None = None, silu_gated: bool = False) -> Int8Weight:
-        """The weight as `int8_linear` runs it for `mode` (``int8`` or ``int8-weight``; `silu_gated`
-        as `quantize_weight` takes it)."""
+    def int8(self, mode: str, input_absmax: torch.Tensor | None = None, gated: str | None = None) -> Int8Weight:
+        """The weight as `int8_linear` runs it for `mode` (``int8`` or ``int8-weight``; `gated` as
+        `quantize_weight` takes it)."""
         if mode == "int8-weight":
             return Int8Weight(self.values, self.scales, False)
         weight = self.dequantize().to(self.values.device)
-        quantized = quantize_weight(weight, mode, input_absmax, dtype=self.dtype, silu_gated=silu_gated)
+        quantized = quantize_weight(weight, mode, input_absmax, dtype=self.dtype, gated=gated)
         del weight
         return_freed_memory()
         return quantized

@@ -18,6 +18,7 @@ from batchgen.kernels import decoder_ops, int8_gemm
 from batchgen.kernels.int8_linear import Int8Weight, int8_linear, quantized_channels, smoothing_of
 from batchgen.options import OptionError
 from tests.conftest import prefill_placed_prompts, tiny_model
+from tests.tiny_families import tiny_family_model
 
 pytestmark = pytest.mark.skipif(not decoder_ops.is_available() or not torch.backends.mkldnn.is_available(),
                                 reason="no C compiler or oneDNN")
@@ -95,12 +96,13 @@ def test_quantized_step_computes_the_quantized_linears_of_transformers_forward(m
     assert error < quantization_error / 3
 
 
-def test_the_silu_gated_mlp_product_gives_the_unfused_steps_logits(monkeypatch):
+@pytest.mark.parametrize("family, activation", [("llama", "silu"), ("gemma3_text", "gelu_tanh")])
+def test_the_gated_mlp_product_gives_the_unfused_steps_logits(monkeypatch, family, activation):
     if not int8_gemm.is_available():
         pytest.skip("no int8 kernel on this CPU")
-    model = bf16_model()
+    model = bf16_model() if family == "llama" else tiny_family_model(family).to(torch.bfloat16)
     runner = ModelRunner(model, EngineConfig(kv_cache_memory=2**22, quantization="int8"))
-    assert all(layer.mlp_in.is_silu_gated for layer in runner.fused.layers)
+    assert all(layer.mlp_in.gated == activation for layer in runner.fused.layers)
     got = step_logits(model, quantization="int8")
     pack_weights = fused_decoder.pack_weights
     monkeypatch.setattr(fused_decoder, "pack_weights", lambda *args: pack_weights(*args[:4]))  # never gated

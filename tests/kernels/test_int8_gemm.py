@@ -106,9 +106,10 @@ def test_the_quantized_product_is_near_the_bf16_product():
     assert (got - exact).norm() / exact.norm() < 0.02
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 17, 300])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_gated_product_is_silu_mul_of_the_plain_product_bit_for_bit(rows, threads):
+def test_a_gated_product_is_the_activation_pass_over_the_plain_product_bit_for_bit(activation, rows, threads):
     from batchgen.kernels import decoder_ops
 
     width, in_features = 96, 130
@@ -116,13 +117,13 @@ def test_a_gated_product_is_silu_mul_of_the_plain_product_bit_for_bit(rows, thre
     x = random_bf16(rows, in_features, seed=5)
     input_absmax = x.float().abs().amax(dim=0) * torch.linspace(0.5, 50, in_features)
     plain = int8_linear.quantize_weight(weight, "int8", input_absmax)
-    gated = int8_linear.quantize_weight(weight, "int8", input_absmax, silu_gated=True)
-    assert gated.silu_gated and not plain.silu_gated
-    assert torch.equal(gated.scales, plain.scales[int8_gemm.silu_gated_order(2 * width)])
+    gated = int8_linear.quantize_weight(weight, "int8", input_absmax, gated=activation)
+    assert gated.gated == activation and plain.gated is None
+    assert torch.equal(gated.scales, plain.scales[int8_gemm.gated_order(2 * width)])
     with torch_threads(threads):
         got = int8_linear.int8_linear(x, gated, None)
         expected = torch.empty(rows, width, dtype=torch.bfloat16)
-        decoder_ops.silu_mul(expected, int8_linear.int8_linear(x, plain, None))
+        getattr(decoder_ops, f"{activation}_mul")(expected, int8_linear.int8_linear(x, plain, None))
     assert torch.equal(got, expected)
-    odd = int8_linear.quantize_weight(random_bf16(2 * 40, 64, seed=6), "int8", silu_gated=True)
-    assert not odd.silu_gated  # halves of 40 rows are no whole blocks: the plain product
+    odd = int8_linear.quantize_weight(random_bf16(2 * 40, 64, seed=6), "int8", gated=activation)
+    assert odd.gated is None  # halves of 40 rows are no whole blocks: the plain product

@@ -123,16 +123,6 @@ static inline void store16(void *row, int i, int n, __m512 v, int is_bf16) {
     _mm256_mask_storeu_epi16((uint16_t *)row + i, lanes, to_bf16x16(v));
 }
 
-/* tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|), on 16 lanes (vector_tanhf's steps). */
-static inline __m512 tanh16(__m512 y) {
-    __m512 magnitude = _mm512_abs_ps(y);
-    __m512 e = expf16(_mm512_mul_ps(magnitude, _mm512_set1_ps(-2.0f)));
-    __m512 one = _mm512_set1_ps(1.0f);
-    __m512 result = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(result), sign));
-}
-
 /* residual_row += x_row (rounded to dtype) when x_row is not NULL; then
  * out = w * round(residual_row * (1 / sqrt(mean(residual_row^2) + eps))), on 16 lanes (the sum
  * of squares in another order than the portable loop's: transformers' differs from both). */
@@ -524,15 +514,9 @@ void bg_gelu_new(void *out, const void *x, int64_t n, int dtype, int num_threads
  * loop's operations in its order. */
 static void gelu_tanh_mul_row(void *out, const void *gate_up, int width, int is_bf16) {
     const char *up = (const char *)row_at(gate_up, 1, width, is_bf16);
-    const __m512 root = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
-    for (int i = 0; i < width; i += 16) {
-        __m512 x = load16(gate_up, i, width, is_bf16);
-        __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(cubic, x), x), x);
-        __m512 tanh = tanh16(_mm512_mul_ps(root, _mm512_add_ps(x, cube)));
-        __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh));
-        store16(out, i, width, _mm512_mul_ps(round16(gelu, is_bf16), load16(up, i, width, is_bf16)), is_bf16);
-    }
+    for (int i = 0; i < width; i += 16)
+        store16(out, i, width,
+                gelu_tanh_mul16(load16(gate_up, i, width, is_bf16), load16(up, i, width, is_bf16), is_bf16), is_bf16);
 }
 #else
 /* out = round(gelu_tanh(gate)) * up for one gate|up row of 2 * width: torch's tanh GELU in

@@ -12,10 +12,11 @@
  *                                / 127: each row quantized symmetric, per token; the int32 sum is exact, the
  *                                scaling two float32 products (no fused multiply-add: the build
  *                                has -ffp-contract=off), the bias one float32 addition, rounded
- *                                to nearest even once; with `gated`, the weight's rows are
- *                                [gate; up] halves interleaved per 16 (`int8_gemm.silu_gated_order`)
- *                                and out[m, n / 2] = bf16(silu(gate) * up) of those bf16 values,
- *                                as decoder_ops' bg_silu_mul computes it (`silu_mul16`)
+ *                                to nearest even once; with `gated` (GATED_SILU or
+ *                                GATED_GELU_TANH), the weight's rows are [gate; up] halves
+ *                                interleaved per 16 (`int8_gemm.gated_order`) and out[m, n / 2] =
+ *                                bf16(act(gate) * up) of those bf16 values, as decoder_ops'
+ *                                bg_silu_mul / bg_gelu_tanh_mul compute it (`lanes16.h`)
  *
  * Inputs come in multiples of INPUT_MULTIPLE (64, one AMX tile row of int8): the weight and the
  * quantized rows are padded with zeros to it, so any number of inputs is taken.
@@ -50,6 +51,8 @@
 #include <omp.h>
 
 #include "lanes16.h"
+
+enum { GATED_NONE = 0, GATED_SILU = 1, GATED_GELU_TANH = 2 }; /* bg_int8_linear's `gated` */
 
 #define BLOCK_COLUMNS 16                  /* one vector of int32 accumulators */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -94,13 +97,14 @@ static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Colum
     _mm256_mask_storeu_epi16(out + col, columns.mask, to_bf16x16(scaled(sums, x_scale, columns)));
 }
 
-/* One row's 16 outputs of a gated product from its 16 gate columns' and their 16 up columns'
- * sums: each `scaled` and rounded to bf16 (the unfused product's output), then silu(gate) * up
- * rounded to bf16 (bg_silu_mul's), stored at out. */
+/* One row's 16 outputs of a `gated` product from its 16 gate columns' and their 16 up columns'
+ * sums: each `scaled` and rounded to bf16 (the unfused product's output), then act(gate) * up
+ * rounded to bf16 (the activation pass's), stored at out. */
 static inline void store_gated_block(uint16_t *out, __m512i gate_sums, __m512i up_sums, float x_scale, Columns gate,
-                                     Columns up) {
+                                     Columns up, int gated) {
     __m512 gate_value = round16(scaled(gate_sums, x_scale, gate), 1), up_value = round16(scaled(up_sums, x_scale, up), 1);
-    _mm256_storeu_si256((__m256i *)out, to_bf16x16(silu_mul16(gate_value, up_value, 1)));
+    __m512 value = gated == GATED_SILU ? silu_mul16(gate_value, up_value, 1) : gelu_tanh_mul16(gate_value, up_value, 1);
+    _mm256_storeu_si256((__m256i *)out, to_bf16x16(value));
 }
 
 /* x[i, i + 16) as float32, each times smoothing[i] where it is given. */
@@ -183,7 +187,7 @@ static void store_sums(const int32_t *sums, int rows, int64_t row, int64_t p, co
         for (int r = 0; r < rows; r++) {
             const int32_t *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
             store_gated_block(out + (row + r) * (n / 2) + p * BLOCK_COLUMNS, _mm512_load_si512(tile_row),
-                              _mm512_load_si512(tile_row + 256), x_scales[row + r], gate, up);
+                              _mm512_load_si512(tile_row + 256), x_scales[row + r], gate, up, gated);
         }
         return;
     }
@@ -281,13 +285,13 @@ static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, co
         const __m512i offset = _mm512_loadu_si512(compensation + col + j * BLOCK_COLUMNS);
         for (int r = 0; r < rows; r++) acc[r][j] = _mm512_sub_epi32(acc[r][j], offset);
     }
-    for (int j = 0; j < PANEL_BLOCKS && col + j * BLOCK_COLUMNS < n; j += 1 + gated) {
+    for (int j = 0; j < PANEL_BLOCKS && col + j * BLOCK_COLUMNS < n; j += gated ? 2 : 1) {
         const Columns columns = columns_at(w_scales, bias, col + j * BLOCK_COLUMNS, n);
         if (gated) {
             const Columns up = columns_at(w_scales, 0, col + (j + 1) * BLOCK_COLUMNS, n);
             for (int r = 0; r < rows; r++)
                 store_gated_block(out + r * (n / 2) + (col + j * BLOCK_COLUMNS) / 2, acc[r][j], acc[r][j + 1],
-                                  x_scales[r], columns, up);
+                                  x_scales[r], columns, up, gated);
             continue;
         }
         for (int r = 0; r < rows; r++) store_block(out + r * n, acc[r][j], x_scales[r], columns, col + j * BLOCK_COLUMNS);
@@ -334,8 +338,8 @@ int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
  * x_scales [m]
  * (scratch the caller allocates; k_padded a multiple of INPUT_MULTIPLE, >= k); weight packed as
  * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
- * sum); bias [n] bf16 or NULL; out [m, n] bf16, or with `gated` (n a multiple of 32, no bias)
- * [m, n / 2]. Each thread quantizes a share of the rows, then all compute their panels. m may be
+ * sum); bias [n] bf16 or NULL; out [m, n] bf16, or with `gated` other than GATED_NONE (n a
+ * multiple of 32, no bias) [m, n / 2]. Each thread quantizes a share of the rows, then all compute their panels. m may be
  * 0: nothing is computed. */
 void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const float *smoothing, int8_t *q,
                     float *x_scales,
