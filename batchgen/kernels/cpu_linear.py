@@ -81,8 +81,8 @@ def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None],
     With `quantization` (``int8``, ``int8-weight``) it is quantized instead (`int8_linear`), its
     inputs smoothed where their calibrated ranges (`input_absmax`) are given; a [gate; up] weight
     without a bias, with its MLP's activation (`gated`), may then compute act(gate) * up (see
-    `PackedWeight.gated`). Weights
-    loaded quantized (`loaded_int8.LoadedWeight`) take their int8 form from their source."""
+    `PackedWeight.gated`). Weights loaded quantized (`loaded_int8.LoadedWeight`) take their int8
+    form from their source."""
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     gated = gated if bias is None else None
     if isinstance(weights[0], LoadedWeight):

@@ -52,8 +52,7 @@ class Int8Weight:
     panels: torch.Tensor | None = None  # int8_gemm.pack's layout
     compensation: torch.Tensor | None = None
     smoothing: torch.Tensor | None = None  # [k] float32: W8A8 inputs are multiplied by it before quantizing
-    gated: str | None = None  # an activation of int8_gemm.GATED_ACTIVATIONS: rows [gate; up] in
-    # int8_gemm.gated_order, the product act(gate) * up
+    gated: str | None = None  # int8_gemm.GATED_ACTIVATIONS' key: rows [gate; up] in gated_order, product act(gate) * up
 
 
 def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor | None = None,
@@ -69,11 +68,11 @@ def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor 
     on_kernel = (weight.device.type == "cpu" and (dtype or weight.dtype) == torch.bfloat16
                  and int8_gemm.is_available())
     if mode == "int8" and on_kernel:
-        if len(values) % (2 * int8_gemm.GATED_BLOCK):
-            gated = None
-        if gated is not None:
+        if gated is not None and len(values) % (2 * int8_gemm.GATED_BLOCK) == 0:
             order = int8_gemm.gated_order(len(values))
             values, scales = values[order], scales[order]
+        else:
+            gated = None
         panels, compensation = int8_gemm.pack(values)
         return Int8Weight(None, scales, True, panels, compensation, smoothing, gated)
     return Int8Weight(values, scales, mode == "int8", smoothing=smoothing)

@@ -339,8 +339,8 @@ int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
  * (scratch the caller allocates; k_padded a multiple of INPUT_MULTIPLE, >= k); weight packed as
  * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
  * sum); bias [n] bf16 or NULL; out [m, n] bf16, or with `gated` other than GATED_NONE (n a
- * multiple of 32, no bias) [m, n / 2]. Each thread quantizes a share of the rows, then all compute their panels. m may be
- * 0: nothing is computed. */
+ * multiple of 32, no bias) [m, n / 2]. Each thread quantizes a share of the rows, then all
+ * compute their panels. m may be 0: nothing is computed. */
 void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const float *smoothing, int8_t *q,
                     float *x_scales,
                     int64_t k_padded, const int8_t *weight, const float *w_scales, const int32_t *compensation,
