@@ -19,26 +19,6 @@ static inline __m256i to_bf16x16(__m512 v) {
     __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     rounded = _mm512_mask_or_epi32(rounded, is_nan, bits, _mm512_set1_epi32(0x400000)); /* quiet NaN */
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-/* tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|), on 16 lanes (vector_tanhf's steps). */
-static inline __m512 tanh16(__m512 y) {
-    __m512 magnitude = _mm512_abs_ps(y);
-    __m512 e = expf16(_mm512_mul_ps(magnitude, _mm512_set1_ps(-2.0f)));
-    __m512 one = _mm512_set1_ps(1.0f);
-    __m512 result = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(result), sign));
-}
-
-/* round(gelu_tanh(gate)) * up (the GELU rounded to bfloat16 where is_bf16), unrounded: torch's tanh
- * GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in float32. */
-static inline __m512 gelu_tanh_mul16(__m512 gate, __m512 up, int is_bf16) {
-    const __m512 root = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
-    __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(cubic, gate), gate), gate);
-    __m512 tanh = tanh16(_mm512_mul_ps(root, _mm512_add_ps(gate, cube)));
-    __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), gate), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
-    return _mm512_mul_ps(round16(gelu, is_bf16), up);
-}
-
 #endif
 }
 
