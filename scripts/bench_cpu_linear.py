@@ -1,15 +1,16 @@
 """Micro-benchmark: one layer's linear products through torch's GEMM, oneDNN-packed weights and,
-in bf16 where they run, batchgen's bf16 GEMM kernel and its int8 (W8A8) kernel (CPU).
+in bf16 where they run, batchgen's bf16 GEMM kernel, its int8 (W8A8) kernel and the int8-weight
+products (CPU).
 
 The weights are SmolLM2-135M's (q, k, v, o, gate, up, down of one layer, plus the 49152-row
 lm_head), each product at several row counts (decode batches and a prefill chunk). Every
 timed call walks all 30 layers' worth of distinct weight copies, so weights come from memory
 as in a real step, not from cache. Prints median ms per layer (lm_head separately) for each
 GEMM, the packed ones' speedups over torch's, and the largest relative difference between a
-packed result and torch's (int8_gemm's, which quantizes, left out of it).
+packed result and torch's (the quantized ones' left out of it).
 
     python scripts/bench_cpu_linear.py [--repeats 10] [--rows 1,8,32,128,2048] [--layers 30]
-    python scripts/bench_cpu_linear.py --dtype bfloat16      # adds bf16_gemm's and int8_gemm's columns
+    python scripts/bench_cpu_linear.py --dtype bfloat16      # adds the bf16 kernel's and the int8 columns
 
 In bf16 with the int8 kernel it then times a layer's MLP input, the gate|up product and its SiLU:
 the product and `decoder_ops.silu_mul` against the gated product that computes both
@@ -28,7 +29,7 @@ from batchgen.kernels import bf16_gemm, decoder_ops, int8_gemm
 from batchgen.kernels.int8_linear import int8_linear, quantize_weight
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, NUM_LAYERS = 576, 1536, 192, 49152, 30
-QUANTIZED = "int8_gemm"  # its results differ from torch's by the quantization
+QUANTIZED = ("int8_gemm", "int8-weight")  # their results differ from torch's by the quantization
 LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),
                 (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
@@ -46,7 +47,9 @@ def gemms(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list]:
         found["bf16_gemm"] = [lambda x, w=w, p=bf16_gemm.pack(w): bf16_gemm.linear(x, p, None, w.shape[0])
                                 for w in weights]
     if dtype == torch.bfloat16 and int8_gemm.is_available():
-        found[QUANTIZED] = [lambda x, p=quantize_weight(w, "int8"): int8_linear(x, p, None) for w in weights]
+        found["int8_gemm"] = [lambda x, p=quantize_weight(w, "int8"): int8_linear(x, p, None) for w in weights]
+    if dtype == torch.bfloat16:  # quantization: int8-weight's products (torch's _weight_int8pack_mm)
+        found["int8-weight"] = [lambda x, p=quantize_weight(w, "int8-weight"): int8_linear(x, p, None) for w in weights]
     return found
 
 
@@ -62,7 +65,7 @@ def compare(name: str, weights: list[torch.Tensor], products: dict, num_rows: in
     x = inputs[weights[0].shape[1]]
     expected = F.linear(x, weights[0]).float()
     diff = max(((calls[0](x).float() - expected).abs().max() / expected.abs().max()).item()
-               for gemm, calls in products.items() if gemm not in ("torch", QUANTIZED))
+               for gemm, calls in products.items() if gemm not in ("torch", *QUANTIZED))
     speedups = "".join(f"{times['torch'] / ms:>11.2f}x" for gemm, ms in times.items() if gemm != "torch")
     print(f"{name:<10}{num_rows:>6}" + "".join(f"{ms:>14.3f}" for ms in times.values()) + f"{speedups}{diff:>12.1e}")
 
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         for num_rows in (int(r) for r in options.rows.split(",")):
             compare("layer", body, body_gemms, num_rows, options.repeats, options.layers, dtype)
             compare("lm_head", lm_head, lm_head_gemms, num_rows, options.repeats, 1, dtype)
-        if QUANTIZED in body_gemms and decoder_ops.is_available():
+        if "int8_gemm" in body_gemms and decoder_ops.is_available():
             compare_gated(options.layers, [int(r) for r in options.rows.split(",")], options.repeats)
 
 

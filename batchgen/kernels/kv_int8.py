@@ -33,7 +33,8 @@ import functools
 
 import torch
 
-from batchgen.kernels.attention_kernel import FULL, SCALE_BYTES, AttentionKernel, AttentionVariant, PagedSeqs, head_dim_of
+from batchgen.kernels.attention_kernel import (FULL, SCALE_BYTES, AttentionKernel, AttentionVariant, PagedSeqs,
+                                               head_dim_of)
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.kernel_status import check_status
 

@@ -102,7 +102,8 @@ static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Colum
  * rounded to bf16 (the activation pass's), stored at out. */
 static inline void store_gated_block(uint16_t *out, __m512i gate_sums, __m512i up_sums, float x_scale, Columns gate,
                                      Columns up, int gated) {
-    __m512 gate_value = round16(scaled(gate_sums, x_scale, gate), 1), up_value = round16(scaled(up_sums, x_scale, up), 1);
+    __m512 gate_value = round16(scaled(gate_sums, x_scale, gate), 1);
+    __m512 up_value = round16(scaled(up_sums, x_scale, up), 1);
     __m512 value = gated == GATED_SILU ? silu_mul16(gate_value, up_value, 1) : gelu_tanh_mul16(gate_value, up_value, 1);
     _mm256_storeu_si256((__m256i *)out, to_bf16x16(value));
 }
@@ -294,7 +295,8 @@ static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, co
                                   x_scales[r], columns, up, gated);
             continue;
         }
-        for (int r = 0; r < rows; r++) store_block(out + r * n, acc[r][j], x_scales[r], columns, col + j * BLOCK_COLUMNS);
+        for (int r = 0; r < rows; r++)
+            store_block(out + r * n, acc[r][j], x_scales[r], columns, col + j * BLOCK_COLUMNS);
     }
 }
 

@@ -48,7 +48,8 @@ static inline __m512 expf16(__m512 x) {
 
 /* round(silu(gate)) * up (silu rounded to bfloat16 where is_bf16), unrounded. */
 static inline __m512 silu_mul16(__m512 gate, __m512 up, int is_bf16) {
-    __m512 negated = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32((int)0x80000000u)));
+    __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 negated = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), sign));
     __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), expf16(negated)));
     return _mm512_mul_ps(round16(silu, is_bf16), up);
 }
