@@ -26,7 +26,7 @@ import profile_workload  # noqa: E402
 import roofline  # noqa: E402
 from bench_workloads import SIZES, WORKLOAD_NAMES, build_workload, plan_stats  # noqa: E402
 
-from batchgen.kernels import bf16_gemm  # noqa: E402
+from batchgen.kernels import bf16_gemm, int8_gemm  # noqa: E402
 from tests.conftest import torch_threads  # noqa: E402
 
 
@@ -223,9 +223,14 @@ def test_cpu_linear_bench_in_bf16_adds_the_kernel_where_it_runs(capsys):
         assert str(stop).startswith("oneDNN cannot pack bfloat16 linear weights on this machine")
         return
     lines = capsys.readouterr().out.splitlines()
-    assert ("bf16_gemm ms" in lines[1]) == bf16_gemm.is_available()
-    assert [line.split()[:2] for line in lines[-2:]] == [["layer", "3"], ["lm_head", "3"]]
-    assert all(float(line.split()[-1]) < 1e-2 for line in lines[-2:])  # bf16 rounding, not a wrong product
+    assert ("bf16_gemm ms" in lines[1]) == bf16_gemm.is_available() and "int8-weight ms" in lines[1]
+    products = [line for line in lines if line.split()[:1] in (["layer"], ["lm_head"])]
+    assert [line.split()[:2] for line in products] == [["layer", "3"], ["lm_head", "3"]]
+    assert all(float(line.split()[-1]) < 1e-2 for line in products)  # bf16 rounding, not a wrong product
+    gated_header = [i for i, line in enumerate(lines) if "gated ms" in line]
+    assert len(gated_header) == int8_gemm.is_available()  # the MLP input's comparison where W8A8 runs
+    if gated_header:
+        assert [line.split()[0] for line in lines[gated_header[0] + 1:]] == ["3"]
 
 
 def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
