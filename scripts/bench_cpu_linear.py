@@ -66,8 +66,8 @@ def compare(name: str, weights: list[torch.Tensor], products: dict, num_rows: in
     expected = F.linear(x, weights[0]).float()
     diff = max(((calls[0](x).float() - expected).abs().max() / expected.abs().max()).item()
                for gemm, calls in products.items() if gemm not in ("torch", *QUANTIZED))
-    speedups = "".join(f"{times['torch'] / ms:>11.2f}x" for gemm, ms in times.items() if gemm != "torch")
-    print(f"{name:<10}{num_rows:>6}" + "".join(f"{ms:>14.3f}" for ms in times.values()) + f"{speedups}{diff:>12.1e}")
+    speedups = "".join(f"{times['torch'] / ms:>13.2f}x" for gemm, ms in times.items() if gemm != "torch")
+    print(f"{name:<10}{num_rows:>6}" + "".join(f"{ms:>16.3f}" for ms in times.values()) + f"{speedups}{diff:>12.1e}")
 
 
 def compare_gated(copies: int, rows: list[int], repeats: int) -> None:
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"oneDNN cannot pack {options.dtype} linear weights on this machine: {error}") from None
     names = list(body_gemms)
     print(f"threads={torch.get_num_threads()} {options.dtype}; ms per layer (7 products) and per lm_head")
-    print(f"{'weights':<10}{'rows':>6}" + "".join(f"{n + ' ms':>14}" for n in names)
-          + "".join(f"{'x ' + n:>12}" for n in names[1:]) + f"{'rel diff':>12}")
+    print(f"{'weights':<10}{'rows':>6}" + "".join(f"{n + ' ms':>16}" for n in names)
+          + "".join(f"{'x ' + n:>14}" for n in names[1:]) + f"{'rel diff':>12}")
     with torch.inference_mode():
         for num_rows in (int(r) for r in options.rows.split(",")):
             compare("layer", body, body_gemms, num_rows, options.repeats, options.layers, dtype)
