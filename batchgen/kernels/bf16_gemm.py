@@ -48,6 +48,10 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                                               ctypes.c_int]
     library.bg_bf16_linear_groups.restype = None
     library.bg_bf16_gemm_max_rows.restype = ctypes.c_int64
+    library.bg_bf16_linear_int8_weight.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                                   ctypes.c_int]
+    library.bg_bf16_linear_int8_weight.restype = None
     return library
 
 
@@ -71,7 +75,7 @@ def is_available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [n, k] weight (k even) in panels of this build's panel columns (96; 32 on the AMX
+    """A bf16 [n, k] weight (k even; or int8 values, for `linear_int8_weight`) in panels of this build's panel columns (96; 32 on the AMX
     path) output columns (zeros past n), each holding, for every input pair, its columns' two
     values side by side."""
     n, k = weight.shape
@@ -89,6 +93,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
         _library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
                                   None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
                                   torch.get_num_threads())
+    return out
+
+
+def linear_int8_weight(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ (values * scales[:, None]).T`` in bf16 for a 2-D bf16 `x`, `packed` = ``pack(values)`` of
+    int8 values [n, k] and `scales` [n] bf16: float32 sums of exact products, each column times its
+    scale, rounded once (`quantization: int8-weight`)."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0], out_features))
+    threads = torch.get_num_threads()
+    widened = torch.empty((threads, packed[0].numel()), dtype=torch.bfloat16)  # a panel per thread
+    with profiler_span(BF16_LINEAR_SPAN):
+        _library().bg_bf16_linear_int8_weight(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
+                                              scales.data_ptr(), out_features, widened.data_ptr(), out.data_ptr(),
+                                              threads)
     return out
 
 

@@ -9,9 +9,10 @@ Two modes (`QUANTIZATION_MODES`, the engine's `quantization` option):
   AVX512-VNNI or AMX-INT8, `int8_gemm`'s C kernel; elsewhere (CUDA) ``torch._int_mm``. Both
   compute exactly the same values.
 - ``int8-weight`` (weight only): the activations stay bf16; each product reads int8 weights and
-  bf16 per-channel scales through torch's ``_weight_int8pack_mm`` on a CPU (its scales are
-  bf16, so the weight is quantized against its bf16-rounded scale), and a dequantized copy of
-  each product's weight on CUDA.
+  bf16 per-channel scales (so the weight is quantized against its bf16-rounded scale): on a CPU
+  with the bf16 kernel, `bf16_gemm.linear_int8_weight` (int8 panels widened to bf16 as they are
+  used), else torch's ``_weight_int8pack_mm`` (fast at a row or two, far slower on batches); a
+  dequantized copy of each product's weight on CUDA.
 
 Invariants:
 - `quantize_weight` keeps ``|values| <= 127`` and ``weight / smoothing ~= values * scales[:, None]``
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import int8_gemm
+from batchgen.kernels import bf16_gemm, int8_gemm
 
 QUANTIZATION_MODES = ("none", "int8", "int8-weight")
 INT8_MAX = 127
@@ -49,7 +50,7 @@ class Int8Weight:
     values: torch.Tensor | None  # [n, k] int8; None where the C kernel holds the only copy
     scales: torch.Tensor  # [n] float32 (int8) or bfloat16 (int8-weight)
     activations_quantized: bool  # W8A8 (True) or weight only
-    panels: torch.Tensor | None = None  # int8_gemm.pack's layout
+    panels: torch.Tensor | None = None  # int8_gemm.pack's layout (W8A8), bf16_gemm.pack's of the int8 values (weight only)
     compensation: torch.Tensor | None = None
     smoothing: torch.Tensor | None = None  # [k] float32: W8A8 inputs are multiplied by it before quantizing
     gated: str | None = None  # int8_gemm.GATED_ACTIVATIONS' key: rows [gate; up] in gated_order, product act(gate) * up
@@ -58,16 +59,16 @@ class Int8Weight:
 def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor | None = None,
                     dtype: torch.dtype | None = None, gated: str | None = None) -> Int8Weight:
     """`weight` [n, k] quantized for `mode` (``int8`` or ``int8-weight``), packed for the C
-    kernel where it runs W8A8 products (a bf16 model, `dtype`, by default the weight's, on a CPU
-    that has it). For ``int8`` with `input_absmax` (the largest |input| per input channel seen in
+    kernel where it runs the mode's products (a bf16 model, `dtype`, by default the weight's, on
+    a CPU that has it: `int8_gemm` for W8A8, `bf16_gemm` for weight only). For ``int8`` with `input_absmax` (the largest |input| per input channel seen in
     calibration), the inputs are smoothed (`smoothing_of`). With `gated` (a [gate; up] weight and
     its MLP's activation), its products on the C kernel are act(gate) * up (`Int8Weight.gated`)
     where its halves are whole gated blocks."""
     smoothing = None if mode != "int8" or input_absmax is None else smoothing_of(weight, input_absmax)
     values, scales = quantized_channels(weight if smoothing is None else weight.float() / smoothing, mode)
-    on_kernel = (weight.device.type == "cpu" and (dtype or weight.dtype) == torch.bfloat16
-                 and int8_gemm.is_available())
-    if mode == "int8" and on_kernel:
+    if mode == "int8-weight":
+        return weight_only(values, scales, dtype or weight.dtype)
+    if weight.device.type == "cpu" and (dtype or weight.dtype) == torch.bfloat16 and int8_gemm.is_available():
         if gated is not None and len(values) % (2 * int8_gemm.GATED_BLOCK) == 0:
             order = int8_gemm.gated_order(len(values))
             values, scales = values[order], scales[order]
@@ -75,7 +76,15 @@ def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor 
             gated = None
         panels, compensation = int8_gemm.pack(values)
         return Int8Weight(None, scales, True, panels, compensation, smoothing, gated)
-    return Int8Weight(values, scales, mode == "int8", smoothing=smoothing)
+    return Int8Weight(values, scales, True, smoothing=smoothing)
+
+
+def weight_only(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+    """int8-weight's form of `values` [n, k] int8 and `scales` [n] bf16, packed for the bf16 kernel
+    where it runs this model's (`dtype`) products here."""
+    if values.device.type == "cpu" and dtype == torch.bfloat16 and bf16_gemm.takes(values.shape[1]):
+        return Int8Weight(None, scales, False, panels=bf16_gemm.pack(values))
+    return Int8Weight(values, scales, False)
 
 
 def smoothing_of(weight: torch.Tensor, input_absmax: torch.Tensor) -> torch.Tensor:
@@ -111,7 +120,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a 2-D `x` (see the module docstring for how)."""
     out_features = len(weight.scales)
-    if weight.panels is not None:
+    if weight.panels is not None and weight.activations_quantized:
         return int8_gemm.linear(x, weight.panels, weight.compensation, weight.scales, bias, out_features,
                                 weight.smoothing, weight.gated)
     if not weight.activations_quantized:
@@ -123,6 +132,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
 
 
 def weight_only_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.panels is not None:
+        out = bf16_gemm.linear_int8_weight(x, weight.panels, weight.scales, len(weight.scales))
+        return out if bias is None else out + bias
     if x.device.type == "cpu":
         out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.values, weight.scales)
         return out if bias is None else out + bias

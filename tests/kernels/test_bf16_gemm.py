@@ -118,3 +118,22 @@ def test_pack_weights_sends_other_weights_to_onednn_alone():
         assert packed.panels is None and packed.onednn is not None and packed.kernel_rows == 0
         x = torch.randn(5, weight.shape[1]).to(weight.dtype)
         torch.testing.assert_close(packed_linear(x, packed), torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 300])
+@pytest.mark.parametrize("out_features, in_features", [(40, 64), (300, 576), (97, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_int8_weights_linear_is_its_exact_products_scaled_and_rounded_once(rows, out_features, in_features,
+                                                                             threads):
+    from batchgen.kernels import int8_linear
+
+    x = random_bf16(rows, in_features, seed=rows)
+    quantized = int8_linear.quantize_weight(random_bf16(out_features, in_features, seed=7), "int8-weight")
+    assert quantized.values is None and quantized.panels.dtype == torch.int8  # the kernel's copy only
+    values, scales = int8_linear.quantized_channels(random_bf16(out_features, in_features, seed=7), "int8-weight")
+    assert torch.equal(quantized.panels, bf16_gemm.pack(values))
+    with torch_threads(threads):
+        got = int8_linear.int8_linear(x, quantized, None)
+    assert_rounded_once(got, x, values.double() * scales.double()[:, None], None)
+    from_torch = (got.double() - torch.ops.aten._weight_int8pack_mm(x, values, scales).double()).abs()
+    assert bool((from_torch <= got.double().abs() * 2.0**-7 + 1e-2).all())  # torch's own kernel, as near

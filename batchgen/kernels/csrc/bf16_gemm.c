@@ -12,6 +12,10 @@
  *                                bf16 products, rounded to nearest even once, as torch's GEMM does
  *   bg_bf16_linear_groups        the same for consecutive row groups of x, each group through its
  *                                own weight (a mixture of experts' products), in one parallel region
+ *   bg_bf16_linear_int8_weight   out[m, n] = bf16((x[m, k] @ v.T) * scales) for int8 values v
+ *                                (`quantization: int8-weight`): float32 sums of the exact
+ *                                products of x with v, each column times its bf16 scale, rounded
+ *                                once
  *
  * Weight layout (`bf16_gemm.pack`): panel p holds output columns [Pp, Pp + P) (P =
  * PANEL_COLUMNS), zero past n; within it, for each input pair (2i, 2i + 1), the P columns'
@@ -44,6 +48,11 @@
  * their count (nothing past row m is read). Against oneDNN on the same weights this path is
  * faster up to 1,024 rows; oneDNN changes its method past that and wins (docs/performance.md),
  * so `bg_bf16_gemm_max_rows` is 1,024.
+ *
+ * int8 weights (bg_bf16_linear_int8_weight): their panels are laid out as bf16 ones, one byte a
+ * value. Each panel is widened to bf16 (exact: |v| <= 127) into the thread's buffer just before
+ * its rows use it, while the next int8 panel is asked for as a bf16 one is: the products are
+ * the bf16 path's on half the weight bytes.
  */
 #include <stdint.h>
 
@@ -60,16 +69,50 @@
 #define PANEL_COLUMNS (BLOCK_COLUMNS * PANEL_BLOCKS)
 #define LINE_BYTES 64
 
-/* float32 accumulators of one row block rounded to bf16 and stored, bias added, columns
- * past n left alone. */
-static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, int64_t col, int64_t n) {
+/* An int8 weight's panels (laid out as bf16 ones, a byte a value), its columns' bf16 scales, and
+ * the thread's buffer for one panel widened to bf16. */
+typedef struct {
+    const int8_t *values;
+    const uint16_t *scales;
+    uint16_t *widened;
+} Int8Panels;
+
+/* 16 bf16 values at `at` (lanes in `mask`) as float32. */
+static inline __m512 load_bf16(const uint16_t *at, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at)), 16));
+}
+
+/* float32 accumulators of one row block times their columns' scales (where given: an int8
+ * weight's), bias added, rounded to bf16 and stored; columns past n left alone. */
+static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, const uint16_t *scales, int64_t col,
+                               int64_t n) {
     int64_t left = n - col;
     __mmask16 mask = left >= BLOCK_COLUMNS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-    if (bias != 0) {
-        __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-    }
+    if (scales != 0) sum = _mm512_mul_ps(sum, load_bf16(scales + col, mask));
+    if (bias != 0) sum = _mm512_add_ps(sum, load_bf16(bias + col, mask));
     _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+}
+
+/* `count` int8 values (a multiple of 32) as bf16, exactly, in the same order. */
+static void widen(const int8_t *values, int64_t count, uint16_t *out) {
+    for (int64_t i = 0; i < count; i += 32) {
+        __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(values + i))));
+        __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(values + i + 16))));
+        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+
+/* Panel p of the weight as bf16: the packed bf16 weight's, or an int8 weight's widened into its
+ * buffer; with the first byte of panel p + 1 (for asking ahead) and its bytes. */
+static const uint16_t *panel_at(const uint16_t *weight, const Int8Panels *int8, int64_t p, int64_t panel_elements,
+                                const char **next, int64_t *next_bytes) {
+    if (int8 == 0) {
+        *next = (const char *)(weight + (p + 1) * panel_elements), *next_bytes = panel_elements * 2;
+        return weight + p * panel_elements;
+    }
+    *next = (const char *)(int8->values + (p + 1) * panel_elements), *next_bytes = panel_elements;
+    widen(int8->values + p * panel_elements, panel_elements, int8->widened);
+    return int8->widened;
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -119,47 +162,48 @@ static void block(const uint16_t *x, int64_t k, int bottom, const uint16_t *w, c
 /* Rows [first_row, last_row) of the product over panels [first, last), in blocks of `rows`
  * (the tiles are configured for it; every block but none past last_row is full). The blocks of
  * a panel ask for the next panel's weight (its k lines) into L2, each block an equal share. */
-static void row_pass(const uint16_t *x, int64_t k, const uint16_t *weight, const uint16_t *bias, int64_t n,
-                     uint16_t *out, int64_t first, int64_t last, int64_t first_row, int64_t last_row, int rows) {
+static void row_pass(const uint16_t *x, int64_t k, const uint16_t *weight, const Int8Panels *int8,
+                     const uint16_t *bias, int64_t n, uint16_t *out, int64_t first, int64_t last, int64_t first_row,
+                     int64_t last_row, int rows) {
     float sums[4 * 256] __attribute__((aligned(64)));
     int top = rows < 16 ? rows : 16, bottom = rows - top;
-    int64_t panel_elements = k * PANEL_COLUMNS;
-    for (int64_t p = first; p < last; p++)
-        for (int64_t col = p * PANEL_COLUMNS; col < (p + 1) * PANEL_COLUMNS && col < n; col += 2 * BLOCK_COLUMNS) {
-            const uint16_t *w = weight + p * panel_elements + (col - p * PANEL_COLUMNS) * 2;
-            int64_t next_col = col + 2 * BLOCK_COLUMNS, next_p = next_col < (p + 1) * PANEL_COLUMNS ? p : p + 1;
-            const uint16_t *next = next_p < last && next_col < n
-                ? weight + next_p * panel_elements + (next_col - next_p * PANEL_COLUMNS) * 2 : 0;
-            int64_t blocks = (last_row - first_row + rows - 1) / rows, next_lines = next != 0 ? k : 0;
-            for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
-                int64_t from = next_lines * b / blocks, to = next_lines * (b + 1) / blocks;
-                block(x + row * k, k, bottom, w, next != 0 ? (const char *)next + from * LINE_BYTES : 0, to - from,
-                      sums);
-                for (int r = 0; r < rows; r++) {
-                    const float *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
-                    store_block(out + (row + r) * n, _mm512_load_ps(tile_row), bias, col, n);
-                    if (col + BLOCK_COLUMNS < n)
-                        store_block(out + (row + r) * n, _mm512_load_ps(tile_row + 256), bias, col + BLOCK_COLUMNS, n);
-                }
+    int64_t panel_elements = k * PANEL_COLUMNS; /* one block's 32 columns */
+    const uint16_t *scales = int8 != 0 ? int8->scales : 0;
+    for (int64_t p = first, col = first * PANEL_COLUMNS; p < last && col < n; p++, col += PANEL_COLUMNS) {
+        const char *next;
+        int64_t next_bytes;
+        const uint16_t *w = panel_at(weight, int8, p, panel_elements, &next, &next_bytes);
+        int64_t blocks = (last_row - first_row + rows - 1) / rows;
+        int64_t next_lines = p + 1 < last && col + PANEL_COLUMNS < n ? next_bytes / LINE_BYTES : 0;
+        for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
+            int64_t from = next_lines * b / blocks, to = next_lines * (b + 1) / blocks;
+            block(x + row * k, k, bottom, w, next + from * LINE_BYTES, to - from, sums);
+            for (int r = 0; r < rows; r++) {
+                const float *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
+                store_block(out + (row + r) * n, _mm512_load_ps(tile_row), bias, scales, col, n);
+                if (col + BLOCK_COLUMNS < n)
+                    store_block(out + (row + r) * n, _mm512_load_ps(tile_row + 256), bias, scales, col + BLOCK_COLUMNS,
+                                n);
             }
         }
+    }
 }
 
 /* Panels [first, last) of the product: the full blocks of 32 rows, SUPER_ROWS at a time over
  * all the panels, then the rows past them. */
-static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const uint16_t *bias,
-                        int64_t n, uint16_t *out, int64_t first, int64_t last) {
+static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const Int8Panels *int8,
+                        const uint16_t *bias, int64_t n, uint16_t *out, int64_t first, int64_t last) {
     int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
     if (full_rows > 0) {
         configure_block_tiles(16, 16);
         for (int64_t start = 0; start < full_rows; start += SUPER_ROWS)
-            row_pass(x, k, weight, bias, n, out, first, last, start,
+            row_pass(x, k, weight, int8, bias, n, out, first, last, start,
                      start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows, BLOCK_ROWS);
     }
     if (m > full_rows) {
         int rows = (int)(m - full_rows);
         configure_block_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
-        row_pass(x, k, weight, bias, n, out, first, last, full_rows, m, rows);
+        row_pass(x, k, weight, int8, bias, n, out, first, last, full_rows, m, rows);
     }
     _tile_release();
 }
@@ -182,7 +226,7 @@ typedef struct {
 
 /* Rows [0, rows) of x (row stride k) times one panel, into out's columns [col, col + PANEL_COLUMNS). */
 static void tile(const uint16_t *x, int64_t k, int rows, const uint16_t *panel, Prefetch ahead,
-                 const uint16_t *bias, uint16_t *out, int64_t col, int64_t n) {
+                 const uint16_t *bias, const uint16_t *scales, uint16_t *out, int64_t col, int64_t n) {
     __m512 acc[TILE_ROWS][PANEL_BLOCKS];
     const int32_t *pairs[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) {
@@ -202,27 +246,29 @@ static void tile(const uint16_t *x, int64_t k, int rows, const uint16_t *panel, 
     }
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < PANEL_BLOCKS && col + j * BLOCK_COLUMNS < n; j++)
-            store_block(out + r * n, acc[r][j], bias, col + j * BLOCK_COLUMNS, n);
+            store_block(out + r * n, acc[r][j], bias, scales, col + j * BLOCK_COLUMNS, n);
 }
 
 /* Panels [first, last) of the product: every row tile of each, asking for the next panel. */
-static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const uint16_t *bias,
-                        int64_t n, uint16_t *out, int64_t first, int64_t last) {
+static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t *weight, const Int8Panels *int8,
+                        const uint16_t *bias, int64_t n, uint16_t *out, int64_t first, int64_t last) {
     int64_t panel_elements = k / 2 * PANEL_COLUMNS * 2;
-    int64_t panel_lines = panel_elements * 2 / LINE_BYTES;
+    int64_t panel_lines = panel_elements * (int8 != 0 ? 1 : 2) / LINE_BYTES;
     int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
     int64_t lines_per_tile = tiles <= MAX_PREFETCH_TILES ? (panel_lines + tiles - 1) / tiles : 0;
     int64_t per_pair = (lines_per_tile + k / 2 - 1) / (k / 2);
     for (int64_t p = first; p < last; p++) {
-        const uint16_t *panel = weight + p * panel_elements;
+        const char *next;
+        int64_t next_bytes;
+        const uint16_t *panel = panel_at(weight, int8, p, panel_elements, &next, &next_bytes);
         int64_t next_lines = p + 1 < last ? panel_lines : 0;
         for (int64_t t = 0; t < tiles; t++) {
             int64_t row = t * TILE_ROWS, asked = t * lines_per_tile;
             int64_t lines = next_lines - asked < lines_per_tile ? next_lines - asked : lines_per_tile;
-            Prefetch ahead = {(const char *)(panel + panel_elements) + asked * LINE_BYTES, lines > 0 ? lines : 0,
-                              per_pair};
+            Prefetch ahead = {next + asked * LINE_BYTES, lines > 0 ? lines : 0, per_pair};
             int rows = (int)(m - row < TILE_ROWS ? m - row : TILE_ROWS);
-            tile(x + row * k, k, rows, panel, ahead, bias, out + row * n, p * PANEL_COLUMNS, n);
+            tile(x + row * k, k, rows, panel, ahead, bias, int8 != 0 ? int8->scales : 0, out + row * n, p * PANEL_COLUMNS,
+                 n);
         }
     }
 }
@@ -248,7 +294,24 @@ void bg_bf16_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wei
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-        panel_range(x, m, k, weight, bias, n, out, panels * thread / team, panels * (thread + 1) / team);
+        panel_range(x, m, k, weight, 0, bias, n, out, panels * thread / team, panels * (thread + 1) / team);
+    }
+}
+
+/* x [m, k] and out [m, n] row-major bf16, k a multiple of INPUT_MULTIPLE; values an int8 weight
+ * packed as a bf16 one is (a byte a value), scales [n] bf16; widened: scratch of num_threads x k
+ * x PANEL_COLUMNS bf16 (a panel's values for each thread). m may be 0: nothing is computed. */
+void bg_bf16_linear_int8_weight(const uint16_t *x, int64_t m, int64_t k, const int8_t *values, const uint16_t *scales,
+                                int64_t n, uint16_t *widened, uint16_t *out, int num_threads) {
+    if (m < 1) return;
+    int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+    if (num_threads > panels) num_threads = (int)panels;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        Int8Panels int8 = {values, scales, widened + thread * k * PANEL_COLUMNS};
+        panel_range(x, m, k, 0, &int8, 0, n, out, panels * thread / team, panels * (thread + 1) / team);
     }
 }
 
@@ -267,7 +330,7 @@ void bg_bf16_linear_groups(const uint16_t *x, const int64_t *counts, int num_gro
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads(), row = 0;
         for (int g = 0; g < num_groups; row += counts[g], g++)
             if (counts[g] > 0)
-                panel_range(x + row * k, counts[g], k, weights[g], biases ? biases[g] : 0, n, out + row * n,
+                panel_range(x + row * k, counts[g], k, weights[g], 0, biases ? biases[g] : 0, n, out + row * n,
                             panels * thread / team, panels * (thread + 1) / team);
     }
 }
