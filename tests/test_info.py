@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import batchgen
 from batchgen.cli import main
-from batchgen.kernels import c_library, cpu_attention, int8_gemm, inventory, sampling_ops
+from batchgen.kernels import bf16_gemm, c_library, cpu_attention, int8_gemm, inventory, sampling_ops
 from batchgen.kernels.inventory import (CKernel, c_kernel_state, cpu_model_and_flags, describe_attention_backend,
                                        triton_kernel_states)
 from batchgen.models import resolve_dtype
@@ -123,5 +123,7 @@ def test_quantization_names_the_products_each_mode_runs_on(facts):
     instructions = int8_gemm.instructions()
     expected_int8 = f"int8: int8_gemm.c ({instructions})" if instructions else "int8: torch._int_mm"
     assert facts["quantization"].startswith(expected_int8)
-    assert "int8-weight: torch _weight_int8pack_mm" in facts["quantization"]
+    weight_only = ("bf16_gemm.c (int8 panels widened to bf16)" if bf16_gemm.is_available()
+                   else "torch _weight_int8pack_mm")
+    assert f"int8-weight: {weight_only}" in facts["quantization"]
     assert f"quantization  {facts['quantization']}" in invoke("info").stdout.splitlines()

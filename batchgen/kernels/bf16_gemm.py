@@ -13,6 +13,8 @@ Invariants:
 - `linear` equals ``F.linear`` on the same bf16 inputs up to the order of the float32 sums:
   each product of two bf16 values is exact in float32, the sum is rounded to bf16 once.
   `linear_groups` computes each group's rows exactly as `linear` computes them.
+- `linear_int8_weight` is `linear` of the int8 values widened to bf16 (exact), each column's
+  float32 sum times its bf16 scale before the one rounding.
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ def is_available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [n, k] weight (k even; or int8 values, for `linear_int8_weight`) in panels of this build's panel columns (96; 32 on the AMX
-    path) output columns (zeros past n), each holding, for every input pair, its columns' two
-    values side by side."""
+    """A bf16 [n, k] weight (k even; or int8 values, for `linear_int8_weight`) in panels of this
+    build's panel columns (96; 32 on the AMX path) output columns (zeros past n), each holding,
+    for every input pair, its columns' two values side by side."""
     n, k = weight.shape
     columns = _library().bg_bf16_gemm_panel_columns()
     panels = -(-n // columns)

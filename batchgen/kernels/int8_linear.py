@@ -50,7 +50,7 @@ class Int8Weight:
     values: torch.Tensor | None  # [n, k] int8; None where the C kernel holds the only copy
     scales: torch.Tensor  # [n] float32 (int8) or bfloat16 (int8-weight)
     activations_quantized: bool  # W8A8 (True) or weight only
-    panels: torch.Tensor | None = None  # int8_gemm.pack's layout (W8A8), bf16_gemm.pack's of the int8 values (weight only)
+    panels: torch.Tensor | None = None  # int8_gemm.pack's layout (W8A8); bf16_gemm.pack's (weight only)
     compensation: torch.Tensor | None = None
     smoothing: torch.Tensor | None = None  # [k] float32: W8A8 inputs are multiplied by it before quantizing
     gated: str | None = None  # int8_gemm.GATED_ACTIVATIONS' key: rows [gate; up] in gated_order, product act(gate) * up
@@ -60,8 +60,9 @@ def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor 
                     dtype: torch.dtype | None = None, gated: str | None = None) -> Int8Weight:
     """`weight` [n, k] quantized for `mode` (``int8`` or ``int8-weight``), packed for the C
     kernel where it runs the mode's products (a bf16 model, `dtype`, by default the weight's, on
-    a CPU that has it: `int8_gemm` for W8A8, `bf16_gemm` for weight only). For ``int8`` with `input_absmax` (the largest |input| per input channel seen in
-    calibration), the inputs are smoothed (`smoothing_of`). With `gated` (a [gate; up] weight and
+    a CPU that has it: `int8_gemm` for W8A8, `bf16_gemm` for weight only). For ``int8`` with
+    `input_absmax` (the largest |input| per input channel seen in calibration), the inputs are
+    smoothed (`smoothing_of`). With `gated` (a [gate; up] weight and
     its MLP's activation), its products on the C kernel are act(gate) * up (`Int8Weight.gated`)
     where its halves are whole gated blocks."""
     smoothing = None if mode != "int8" or input_absmax is None else smoothing_of(weight, input_absmax)

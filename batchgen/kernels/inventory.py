@@ -187,7 +187,9 @@ def describe_quantization() -> str:
     ``torch._int_mm``, int8-weight on cuBLAS over a dequantized copy)."""
     instructions = int8_gemm.instructions()
     int8 = f"int8_gemm.c ({instructions})" if instructions else "torch._int_mm (no int8 kernel here)"
-    return f"int8: {int8}; int8-weight: torch _weight_int8pack_mm"
+    weight_only = ("bf16_gemm.c (int8 panels widened to bf16)" if bf16_gemm.is_available()
+                   else "torch _weight_int8pack_mm (no bf16 kernel here)")
+    return f"int8: {int8}; int8-weight: {weight_only}"
 
 
 def _function_name(function: Callable) -> str:

@@ -267,8 +267,8 @@ static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
             int64_t lines = next_lines - asked < lines_per_tile ? next_lines - asked : lines_per_tile;
             Prefetch ahead = {next + asked * LINE_BYTES, lines > 0 ? lines : 0, per_pair};
             int rows = (int)(m - row < TILE_ROWS ? m - row : TILE_ROWS);
-            tile(x + row * k, k, rows, panel, ahead, bias, int8 != 0 ? int8->scales : 0, out + row * n, p * PANEL_COLUMNS,
-                 n);
+            const uint16_t *scales = int8 != 0 ? int8->scales : 0;
+            tile(x + row * k, k, rows, panel, ahead, bias, scales, out + row * n, p * PANEL_COLUMNS, n);
         }
     }
 }
