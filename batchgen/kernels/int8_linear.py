@@ -62,9 +62,9 @@ def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor 
     kernel where it runs the mode's products (a bf16 model, `dtype`, by default the weight's, on
     a CPU that has it: `int8_gemm` for W8A8, `bf16_gemm` for weight only). For ``int8`` with
     `input_absmax` (the largest |input| per input channel seen in calibration), the inputs are
-    smoothed (`smoothing_of`). With `gated` (a [gate; up] weight and
-    its MLP's activation), its products on the C kernel are act(gate) * up (`Int8Weight.gated`)
-    where its halves are whole gated blocks."""
+    smoothed (`smoothing_of`). With `gated` (a [gate; up] weight and its MLP's activation), its
+    W8A8 products on the C kernel are act(gate) * up (`Int8Weight.gated`) where its halves are
+    whole gated blocks."""
     smoothing = None if mode != "int8" or input_absmax is None else smoothing_of(weight, input_absmax)
     values, scales = quantized_channels(weight if smoothing is None else weight.float() / smoothing, mode)
     if mode == "int8-weight":
