@@ -148,11 +148,10 @@ def fused_activation(spec: ModelSpec, ops) -> Callable[[torch.Tensor], torch.Ten
     """The MLP's activation of its first product's rows (gate then up halves where gated): one
     pass of `ops` for SiLU(gate) * up, Gemma's tanh GELU(gate) * up and GPT-2's tanh GELU where
     `ops` has them, else the family's activation module."""
-    activation = spec.activation
-    if spec.gated and activation is None:
-        return functools.partial(gated, ops.silu_mul)
-    if spec.gated and isinstance(activation, GELUTanh) and hasattr(ops, "gelu_tanh_mul"):
-        return functools.partial(gated, ops.gelu_tanh_mul)
+    activation, name = spec.activation, gated_activation(spec)
+    op = None if name is None else getattr(ops, f"{name}_mul", None)  # silu_mul, gelu_tanh_mul
+    if op is not None:
+        return functools.partial(gated, op)
     if spec.gated:
         return lambda rows: activation(rows[:, :rows.shape[1] // 2]) * rows[:, rows.shape[1] // 2:]
     if isinstance(activation, NewGELUActivation) and hasattr(ops, "gelu_new"):

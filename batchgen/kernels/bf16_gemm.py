@@ -98,17 +98,17 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     return out
 
 
-def linear_int8_weight(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+def linear_int8_weight(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ (values * scales[:, None]).T`` in bf16 for a 2-D bf16 `x`, `packed` = ``pack(values)`` of
     int8 values [n, k] and `scales` [n] bf16: float32 sums of exact products, each column times its
     scale, rounded once (`quantization: int8-weight`)."""
     x = x.contiguous()
-    out = x.new_empty((x.shape[0], out_features))
+    out = x.new_empty((x.shape[0], len(scales)))
     threads = torch.get_num_threads()
     widened = torch.empty((threads, packed[0].numel()), dtype=torch.bfloat16)  # a panel per thread
     with profiler_span(BF16_LINEAR_SPAN):
         _library().bg_bf16_linear_int8_weight(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
-                                              scales.data_ptr(), out_features, widened.data_ptr(), out.data_ptr(),
+                                              scales.data_ptr(), len(scales), widened.data_ptr(), out.data_ptr(),
                                               threads)
     return out
 

@@ -134,7 +134,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
 
 def weight_only_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if weight.panels is not None:
-        out = bf16_gemm.linear_int8_weight(x, weight.panels, weight.scales, len(weight.scales))
+        out = bf16_gemm.linear_int8_weight(x, weight.panels, weight.scales)
         return out if bias is None else out + bias
     if x.device.type == "cpu":
         out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.values, weight.scales)

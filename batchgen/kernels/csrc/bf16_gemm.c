@@ -60,6 +60,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "lanes16.h"
+
 #define BLOCK_COLUMNS 16                  /* one vector of float32 accumulators */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define PANEL_BLOCKS 2                    /* one AMX block's columns: its weight is one stream */
@@ -77,19 +79,14 @@ typedef struct {
     uint16_t *widened;
 } Int8Panels;
 
-/* 16 bf16 values at `at` (lanes in `mask`) as float32. */
-static inline __m512 load_bf16(const uint16_t *at, __mmask16 mask) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at)), 16));
-}
-
 /* float32 accumulators of one row block times their columns' scales (where given: an int8
  * weight's), bias added, rounded to bf16 and stored; columns past n left alone. */
 static inline void store_block(uint16_t *out, __m512 sum, const uint16_t *bias, const uint16_t *scales, int64_t col,
                                int64_t n) {
     int64_t left = n - col;
     __mmask16 mask = left >= BLOCK_COLUMNS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-    if (scales != 0) sum = _mm512_mul_ps(sum, load_bf16(scales + col, mask));
-    if (bias != 0) sum = _mm512_add_ps(sum, load_bf16(bias + col, mask));
+    if (scales != 0) sum = _mm512_mul_ps(sum, load_bf16x16(scales + col, mask));
+    if (bias != 0) sum = _mm512_add_ps(sum, load_bf16x16(bias + col, mask));
     _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
 }
 
@@ -169,11 +166,11 @@ static void row_pass(const uint16_t *x, int64_t k, const uint16_t *weight, const
     int top = rows < 16 ? rows : 16, bottom = rows - top;
     int64_t panel_elements = k * PANEL_COLUMNS; /* one block's 32 columns */
     const uint16_t *scales = int8 != 0 ? int8->scales : 0;
+    const int64_t blocks = (last_row - first_row + rows - 1) / rows;
     for (int64_t p = first, col = first * PANEL_COLUMNS; p < last && col < n; p++, col += PANEL_COLUMNS) {
         const char *next;
         int64_t next_bytes;
         const uint16_t *w = panel_at(weight, int8, p, panel_elements, &next, &next_bytes);
-        int64_t blocks = (last_row - first_row + rows - 1) / rows;
         int64_t next_lines = p + 1 < last && col + PANEL_COLUMNS < n ? next_bytes / LINE_BYTES : 0;
         for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
             int64_t from = next_lines * b / blocks, to = next_lines * (b + 1) / blocks;
@@ -257,6 +254,7 @@ static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
     int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
     int64_t lines_per_tile = tiles <= MAX_PREFETCH_TILES ? (panel_lines + tiles - 1) / tiles : 0;
     int64_t per_pair = (lines_per_tile + k / 2 - 1) / (k / 2);
+    const uint16_t *scales = int8 != 0 ? int8->scales : 0;
     for (int64_t p = first; p < last; p++) {
         const char *next;
         int64_t next_bytes;
@@ -267,7 +265,6 @@ static void panel_range(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
             int64_t lines = next_lines - asked < lines_per_tile ? next_lines - asked : lines_per_tile;
             Prefetch ahead = {next + asked * LINE_BYTES, lines > 0 ? lines : 0, per_pair};
             int rows = (int)(m - row < TILE_ROWS ? m - row : TILE_ROWS);
-            const uint16_t *scales = int8 != 0 ? int8->scales : 0;
             tile(x + row * k, k, rows, panel, ahead, bias, scales, out + row * n, p * PANEL_COLUMNS, n);
         }
     }
@@ -281,6 +278,11 @@ int bg_bf16_gemm_input_multiple(void) { return INPUT_MULTIPLE; }
 
 int64_t bg_bf16_gemm_max_rows(void) { return MAX_ROWS; }
 
+/* The threads of a product of `panels` panels: `num_threads`, at most one a panel, at least one. */
+static int team_for(int64_t panels, int num_threads) {
+    return num_threads > panels ? (int)panels : num_threads < 1 ? 1 : num_threads;
+}
+
 int bg_bf16_gemm_panel_columns(void) { return PANEL_COLUMNS; }
 
 /* x [m, k] and out [m, n] row-major bf16, k a multiple of INPUT_MULTIPLE; weight packed as
@@ -289,9 +291,7 @@ void bg_bf16_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wei
                     int64_t n, uint16_t *out, int num_threads) {
     if (m < 1) return; /* panel_range divides by the row tile count */
     int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
-    if (num_threads > panels) num_threads = (int)panels;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(team_for(panels, num_threads))
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
         panel_range(x, m, k, weight, 0, bias, n, out, panels * thread / team, panels * (thread + 1) / team);
@@ -305,9 +305,7 @@ void bg_bf16_linear_int8_weight(const uint16_t *x, int64_t m, int64_t k, const i
                                 int64_t n, uint16_t *widened, uint16_t *out, int num_threads) {
     if (m < 1) return;
     int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
-    if (num_threads > panels) num_threads = (int)panels;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(team_for(panels, num_threads))
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
         Int8Panels int8 = {values, scales, widened + thread * k * PANEL_COLUMNS};
@@ -323,9 +321,7 @@ void bg_bf16_linear_groups(const uint16_t *x, const int64_t *counts, int num_gro
                            const uint16_t *const *weights, const uint16_t *const *biases, int64_t n, uint16_t *out,
                            int num_threads) {
     int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
-    if (num_threads > panels) num_threads = (int)panels;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(team_for(panels, num_threads))
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads(), row = 0;
         for (int g = 0; g < num_groups; row += counts[g], g++)

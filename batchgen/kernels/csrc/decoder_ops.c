@@ -110,7 +110,7 @@ static inline __mmask16 lanes_before(int i, int n) { return n - i >= 16 ? 0xFFFF
 static inline __m512 load16(const void *row, int i, int n, int is_bf16) {
     __mmask16 lanes = lanes_before(i, n);
     if (!is_bf16) return _mm512_maskz_loadu_ps(lanes, (const float *)row + i);
-    return from_bf16x16(_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)row + i));
+    return load_bf16x16((const uint16_t *)row + i, lanes);
 }
 
 /* Store elements i .. i + 16 of a row, those before n, in its dtype. */

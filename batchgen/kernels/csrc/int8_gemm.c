@@ -74,14 +74,10 @@ typedef struct {
     __m512 w_scales, bias;
 } Columns;
 
-static inline __m512 bf16_to_float(const uint16_t *x, __mmask16 mask) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x)), 16));
-}
-
 static inline Columns columns_at(const float *w_scales, const uint16_t *bias, int64_t col, int64_t n) {
     __mmask16 mask = column_mask(col, n);
     Columns columns = {mask, _mm512_maskz_loadu_ps(mask, w_scales + col),
-                       bias != 0 ? bf16_to_float(bias + col, mask) : _mm512_setzero_ps()};
+                       bias != 0 ? load_bf16x16(bias + col, mask) : _mm512_setzero_ps()};
     return columns;
 }
 
@@ -110,7 +106,7 @@ static inline void store_gated_block(uint16_t *out, __m512i gate_sums, __m512i u
 
 /* x[i, i + 16) as float32, each times smoothing[i] where it is given. */
 static inline __m512 input_at(const uint16_t *x, const float *smoothing, int64_t i, __mmask16 mask) {
-    __m512 value = bf16_to_float(x + i, mask);
+    __m512 value = load_bf16x16(x + i, mask);
     return smoothing != 0 ? _mm512_mul_ps(value, _mm512_maskz_loadu_ps(mask, smoothing + i)) : value;
 }
 

@@ -27,6 +27,11 @@ static inline __m512 from_bf16x16(__m256i half) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+/* The 16 bfloat16 values at `at` (lanes in `mask`; the others 0) as float32. */
+static inline __m512 load_bf16x16(const uint16_t *at, __mmask16 mask) {
+    return from_bf16x16(_mm256_maskz_loadu_epi16(mask, at));
+}
+
 /* v rounded to bfloat16 where is_bf16 (as float32), else v. */
 static inline __m512 round16(__m512 v, int is_bf16) {
     return is_bf16 ? from_bf16x16(to_bf16x16(v)) : v;
