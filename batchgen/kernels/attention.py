@@ -451,7 +451,8 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
         if device.type == "cuda" and float_backend.captures_decode:  # the Triton kernel reads int8 pools too
             return NativeBackend(float_backend.decode, prefill, variant_prefills=variant_prefills,
                                  shares_prefixes=True, captures_decode=True)
-        return NativeBackend(kv_int8.paged_decode_attention, prefill, variant_prefills=variant_prefills)
+        return NativeBackend(kv_int8.paged_decode_attention, prefill, variant_prefills=variant_prefills,
+                             shares_prefixes=True)
     if device.type == "cpu" and cpu_attention.is_available():
         is_c_preferred = cpu_attention.prefill_is_preferred(dtype)
         variant_prefills = (cpu_attention.paged_prefill_attention,)

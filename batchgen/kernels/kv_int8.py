@@ -22,7 +22,8 @@ Invariants:
   rows for the scaled queries quantized as `quantize` does (exact int8 dot products), each
   block's softmax weights (times their value rows' scales) rounded to 8 bits against the
   block's largest (int8 products again), up to the order of float32 sums; it returns False,
-  writing nothing, where it does not run.
+  writing nothing, where it does not run. A shared-prefix group's members get the output each
+  would get alone, bit for bit.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _library() -> ctypes.CDLL | None:
     library = load_library("kv_int8_attention.c")
     if library is None or not library.bg_kv_int8_attention_available():
         return None
-    library.bg_kv_int8_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float,
+    library.bg_kv_int8_decode_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float,
                                                                                                   ctypes.c_int]
     library.bg_kv_int8_store.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
                                          + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int])
@@ -127,7 +128,8 @@ def is_available() -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
                            scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Decode rows over an int8 pool (`attention_kernel`'s contract, the pool's rows
-    [.., head_dim + SCALE_BYTES]); shared-prefix groups are ignored."""
+    [.., head_dim + SCALE_BYTES]). A group's shared blocks are read once for all its members
+    (cascade attention), each member's result the same as without the group."""
     library = _library()
     tensors = (q, k_cache, v_cache, out, *seqs.tensors())
     if (library is None or not variant.is_full or not is_int8(k_cache) or q.dtype != torch.bfloat16
@@ -136,7 +138,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     status = library.bg_kv_int8_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
-        seqs.context_lens.data_ptr(), len(seqs.context_lens), q.shape[1], num_kv_heads, head_dim_of(k_cache),
+        seqs.context_lens.data_ptr(), None if seqs.groups is None else seqs.groups.data_ptr(), seqs.num_groups,
+        len(seqs.context_lens), q.shape[1], num_kv_heads, head_dim_of(k_cache),
         num_blocks, block_size, seqs.block_tables.shape[1], scale, torch.get_num_threads())
     return check_status("kv_int8 paged_decode_attention", status)
 

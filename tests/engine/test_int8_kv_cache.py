@@ -3,6 +3,8 @@ over it, prefix caching unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import KVCacheSpec, ModelRunner
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
+from batchgen.kernels import kv_int8
 from batchgen.options import OptionError
 from tests.conftest import prefill_placed_prompts, tiny_model, tiny_tokenizer
 
@@ -63,6 +66,26 @@ def test_prefix_caching_computes_the_same_prompt_tokens_over_an_int8_pool():
         assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
         computed[kv_cache_dtype] = (llm.stats.num_computed_prompt_tokens, llm.stats.num_cached_prompt_tokens)
     assert computed["int8"] == computed["auto"] and computed["int8"][1] > 0
+
+
+@pytest.mark.skipif(not kv_int8.is_available(), reason="no C compiler, AVX512-VNNI or AVX512-BF16")
+def test_decode_rows_sharing_a_prefix_read_it_once_and_decode_as_apart(monkeypatch):
+    prompts = [[5 + (i % 300) for i in range(100)] + [400 + j, 401 + j] for j in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    kernel, group_counts = kv_int8.paged_decode_attention, []
+
+    def decode(groups_kept: bool):
+        def run(q, k_cache, v_cache, seqs, *args):
+            group_counts.append(seqs.num_groups)
+            return kernel(q, k_cache, v_cache, seqs if groups_kept else dataclasses.replace(seqs, groups=None), *args)
+
+        monkeypatch.setattr(kv_int8, "paged_decode_attention", run)
+        llm = LLM(bf16_model(), tokenizer=tiny_tokenizer(), kv_cache_memory=2**22, kv_cache_dtype="int8")
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    assert decode(groups_kept=True) == decode(groups_kept=False)
+    assert max(group_counts) == 1  # the six rows decoded as one group, its 96-token prefix read once
 
 
 def test_int8_kv_is_checked_as_an_option_and_sized_for_any_device():

@@ -166,6 +166,44 @@ def test_a_sequences_heads_split_over_threads_attend_as_together():
 
 
 @needs_kernel
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 128, 32),
+                                                                           (16, 1, 64, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_prefix_groups_read_once_give_each_member_its_output_alone(num_heads, num_kv_heads, head_dim,
+                                                                          block_size, threads):
+    from batchgen.kernels.attention_kernel import PagedSeqs
+    from batchgen.kernels.shared_prefixes import prefix_groups
+    from tests.conftest import torch_threads
+
+    generator = torch.Generator().manual_seed(num_heads)
+    # a lone sequence, a group of 3 over 5 blocks, and a group of 12 (more query heads than an
+    # item holds where each kv head has 16) over 4 blocks; own blocks anywhere in the pool
+    members, shared_blocks = [1, 3, 12], [0, 5, 4]
+    own = torch.randperm(60, generator=generator)[:48].view(16, 3) + 10
+    rows = []
+    for count, shared in zip(members, shared_blocks):
+        prefix = torch.arange(shared) + (0 if shared == 5 else 5)
+        rows += [torch.cat([prefix, own[len(rows) + m]]) for m in range(count)]
+    width = max(len(r) for r in rows)
+    tables = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows]).to(torch.int32)
+    lens = torch.tensor([(len(r) - 1) * block_size + 1 + i % block_size for i, r in enumerate(rows)], dtype=torch.int32)
+    pool = kv_int8.quantize(torch.randn(2, 70, block_size, num_kv_heads, head_dim, generator=generator))
+    q = torch.randn(len(rows), num_heads, head_dim, generator=generator).bfloat16()
+    groups = prefix_groups(tables.tolist(), lens.tolist(), [1] * len(rows), block_size)
+    assert [g[:2] for g in groups] == [(1, 4), (4, 16)]
+    plain, cascade = torch.empty_like(q), torch.empty_like(q)
+    with torch_threads(threads):
+        assert kv_int8.paged_decode_attention(q, pool[0], pool[1], PagedSeqs(tables, lens), 0.125, plain)
+        grouped = PagedSeqs(tables, lens, torch.tensor(groups, dtype=torch.int32))
+        assert kv_int8.paged_decode_attention(q, pool[0], pool[1], grouped, 0.125, cascade)
+    assert torch.equal(cascade, plain)
+    # a group whose prefix reaches into a member's last position is refused
+    bad = PagedSeqs(tables, lens, torch.tensor([[1, 4, int(lens[1:4].min())]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="shared-prefix group"):
+        kv_int8.paged_decode_attention(q, pool[0], pool[1], bad, 0.125, cascade)
+
+
+@needs_kernel
 def test_int8_kernels_decline_what_they_do_not_run_and_name_a_bad_block_or_slot():
     from batchgen.kernels.attention_kernel import AttentionVariant, PagedSeqs
 

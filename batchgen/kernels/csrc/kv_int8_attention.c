@@ -37,6 +37,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "status.h"
@@ -44,7 +45,7 @@
 
 #define SCALE_BYTES 4
 #define MAX_GROUP 16                      /* query heads per kv head */
-#define MAX_ITEM_HEADS 32                 /* query heads one work item attends for */
+#define ITEM_HEAD_CHUNKS 128              /* query heads x 64-dim chunks one work item attends for */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 64
 
@@ -69,7 +70,8 @@ static inline float row_scale(const int8_t *row, int head_dim) {
     return scale;
 }
 
-/* One sequence's attention for kv heads [first, first + kv_heads), every query head of each. */
+/* The shape of the pool's rows as an item reads them: kv heads [first, first + kv_heads), every
+ * query head of each. */
 typedef struct {
     const int8_t *k_cache, *v_cache;     /* at the item's first kv head */
     int64_t token_stride;                 /* bytes from one slot to the next */
@@ -77,15 +79,23 @@ typedef struct {
     float scale;
 } Item;
 
-/* An item's query rows (times the softmax scale) as int8, symmetric per head, four bytes a
- * dword (zeros past head_dim); `offsets` is 128 times each head's sum of values: vpdpbusd reads
- * every key value with its sign bit flipped, as value + 128. */
+/* A work item: the kv heads first_head .. + kv_heads - 1 of sequences first .. first + count - 1,
+ * whose first shared_blocks blocks are the same (a group's members; 0 for a lone sequence). */
 typedef struct {
-    int32_t dwords[MAX_ITEM_HEADS][MAX_CHUNKS * DWORDS];
-    float scales[MAX_ITEM_HEADS], offsets[MAX_ITEM_HEADS];
+    int first, count, shared_blocks, first_head, kv_heads;
+} Work;
+
+/* An item's query rows (times the softmax scale) as int8, symmetric per head, four bytes a dword
+ * (zeros past head_dim), head h's chunk c at dwords[h * chunks + c]; `offsets` is 128 times each
+ * head's sum of values: vpdpbusd reads every key value with its sign bit flipped, as value + 128.
+ * Head (m * kv_heads + h) * group + g is member m's query head g of the item's kv head h. */
+typedef struct {
+    int32_t dwords[ITEM_HEAD_CHUNKS][DWORDS];
+    float scales[ITEM_HEAD_CHUNKS], offsets[ITEM_HEAD_CHUNKS];
 } Queries;
 
-static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, float scale, Queries *queries) {
+static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int chunks, float scale, int first_head,
+                             Queries *queries) {
     for (int g = 0; g < num_heads; g++) {
         float row[MAX_HEAD_DIM], absmax = 0.0f;
         for (int d = 0; d < head_dim; d++) {
@@ -99,9 +109,9 @@ static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, flo
             values[d] = (int8_t)lrintf(row[d] * inverse);
             sum += values[d];
         }
-        memcpy(queries->dwords[g], values, sizeof values);
-        queries->scales[g] = absmax / 127.0f;
-        queries->offsets[g] = 128.0f * (float)sum;
+        memcpy(queries->dwords[(first_head + g) * chunks], values, (size_t)chunks * CHUNK);
+        queries->scales[first_head + g] = absmax / 127.0f;
+        queries->offsets[first_head + g] = 128.0f * (float)sum;
     }
 }
 
@@ -143,41 +153,78 @@ static inline void transpose_dwords(__m512i r[VECTOR]) {
     }
 }
 
-/* Scores of a block's `count` tokens (rows from `keys`, one slot apart) for query heads
- * [first_head, first_head + group): exact int8 dot products, times the query's and the key row's scales. */
-static inline __attribute__((always_inline)) void block_scores(const Item *item, const int8_t *keys, int count,
-                                                               const Queries *queries, int first_head, const int chunks,
-                                                               const int group, float scores[][MAX_BLOCK_SIZE]) {
+/* 4 value rows' bytes [64 c, 64 c + 64) interleaved: lane L of out[j] holds dimensions
+ * 16 L + 4 j .. 16 L + 4 j + 3, each as its 4 tokens' bytes. */
+static inline void interleave_rows(const __m512i rows[4], __m512i out[4]) {
+    const __m512i low01 = _mm512_unpacklo_epi8(rows[0], rows[1]), high01 = _mm512_unpackhi_epi8(rows[0], rows[1]);
+    const __m512i low23 = _mm512_unpacklo_epi8(rows[2], rows[3]), high23 = _mm512_unpackhi_epi8(rows[2], rows[3]);
+    out[0] = _mm512_unpacklo_epi16(low01, low23);
+    out[1] = _mm512_unpackhi_epi16(low01, low23);
+    out[2] = _mm512_unpacklo_epi16(high01, high23);
+    out[3] = _mm512_unpackhi_epi16(high01, high23);
+}
+
+/* One kv head's rows of a block as both products read them, laid out once for every query head
+ * that attends them: keys in 16-token groups, each chunk's 16 rows (sign bits flipped) transposed
+ * as 16 x 16 dwords, so that lane t of keys[i][c][j] holds token 16 i + t's bytes 64 c + 4 j ..
+ * + 3 (zero rows past `count`); values 4 tokens interleaved (interleave_rows). */
+typedef struct {
+    __m512i keys[MAX_BLOCK_SIZE / VECTOR][MAX_CHUNKS][DWORDS];
+    __m512 key_scales[MAX_BLOCK_SIZE / VECTOR];
+    __m512i values[MAX_CHUNKS][MAX_BLOCK_SIZE / 4][4];
+    float value_scales[MAX_BLOCK_SIZE];
+    int count;
+} Block;
+
+static inline __attribute__((always_inline)) void lay_out_block(const Item *item, const int8_t *keys,
+                                                                const int8_t *values, int count, const int chunks,
+                                                                Block *block) {
     const __m512i sign_bits = _mm512_set1_epi8((char)0x80);
     const __m512i scale_offsets = _mm512_mullo_epi32(_mm512_set1_epi32((int)item->token_stride),
                                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    block->count = count;
     for (int first = 0; first < count; first += VECTOR) {
         const int8_t *rows = keys + first * item->token_stride;
-        const __mmask16 lanes = lanes_before(count, first);
-        __m512i dots[MAX_GROUP][4]; /* four sums a head: four chains of dependent instructions, not one */
-        for (int g = 0; g < group; g++)
-            for (int k = 0; k < 4; k++) dots[g][k] = _mm512_setzero_si512();
         for (int c = 0; c < chunks; c++) {
             const __mmask64 mask = chunk_mask(item->head_dim, c);
-            __m512i groups[VECTOR];
+            __m512i *groups = block->keys[first / VECTOR][c];
             for (int t = 0; t < VECTOR; t++)
                 groups[t] = _mm512_xor_si512(t < count - first ? _mm512_maskz_loadu_epi8(mask, rows + t * item->token_stride + c * CHUNK)
                                                               : _mm512_setzero_si512(), sign_bits);
             transpose_dwords(groups);
+        }
+        block->key_scales[first / VECTOR] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes_before(count, first),
+                                                                     scale_offsets, rows + item->head_dim, 1);
+    }
+    for (int t = 0; t < count; t++) block->value_scales[t] = row_scale(values + t * item->token_stride, item->head_dim);
+    for (int c = 0; c < chunks; c++) {
+        const __mmask64 mask = chunk_mask(item->head_dim, c);
+        for (int t = 0; t < count; t += 4) {
+            __m512i rows[4];
+            for (int r = 0; r < 4; r++)
+                rows[r] = t + r < count ? _mm512_maskz_loadu_epi8(mask, values + (t + r) * item->token_stride + c * CHUNK)
+                                        : _mm512_setzero_si512();
+            interleave_rows(rows, block->values[c][t / 4]);
+        }
+    }
+}
+
+/* One query head's scores of the block's tokens: exact int8 dot products, times the query's and
+ * the key row's scales (lanes past the block's count are left over, never read). */
+static inline __attribute__((always_inline)) void head_scores(const Block *block, const Queries *queries, int head,
+                                                              const int chunks, float *scores) {
+    for (int first = 0; first < block->count; first += VECTOR) {
+        __m512i dots[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                           _mm512_setzero_si512()}; /* four chains of dependent instructions, not one */
+        for (int c = 0; c < chunks; c++)
             for (int j = 0; j < DWORDS; j++)
-                for (int g = 0; g < group; g++)
-                    dots[g][j % 4] = _mm512_dpbusd_epi32(dots[g][j % 4], groups[j],
-                                                         _mm512_set1_epi32(queries->dwords[first_head + g][c * DWORDS + j]));
-        }
-        const __m512 key_scales = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, scale_offsets,
-                                                           rows + item->head_dim, 1);
-        for (int g = 0; g < group; g++) {
-            /* exact: |dots| < 2^24 */
-            const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dots[g][0], dots[g][1]), _mm512_add_epi32(dots[g][2], dots[g][3]));
-            const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(queries->offsets[first_head + g]));
-            const __m512 scale = _mm512_set1_ps(queries->scales[first_head + g]);
-            _mm512_storeu_ps(scores[g] + first, _mm512_mul_ps(_mm512_mul_ps(dot, scale), key_scales));
-        }
+                dots[j % 4] = _mm512_dpbusd_epi32(dots[j % 4], block->keys[first / VECTOR][c][j],
+                                                  _mm512_set1_epi32(queries->dwords[head * chunks + c][j]));
+        /* exact: |dots| < 2^24 */
+        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dots[0], dots[1]), _mm512_add_epi32(dots[2], dots[3]));
+        const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(queries->offsets[head]));
+        _mm512_storeu_ps(scores + first, _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(queries->scales[head])),
+                                                       block->key_scales[first / VECTOR]));
     }
 }
 
@@ -200,7 +247,7 @@ typedef struct {
 } Softmax;
 
 /* A block's softmax weights of one query head, times each token's value scale, as bytes
- * round(w * 255 / max w) in weights[0 .. count) (zeros up to the next multiple of 4); updates
+ * round(w * 255 / max w) in weights[0 .. count) (zeros up to the next multiple of 16); updates
  * the running softmax, returns the factor earlier sums are multiplied by (`*step`: what one
  * weight unit is worth). */
 static inline float block_weights(const float *scores, const float *value_scales, int count, Softmax *softmax,
@@ -234,15 +281,23 @@ static inline float block_weights(const float *scores, const float *value_scales
     return correction;
 }
 
-/* 4 value rows' bytes [64 c, 64 c + 64) interleaved: lane L of out[j] holds dimensions
- * 16 L + 4 j .. 16 L + 4 j + 3, each as its 4 tokens' bytes. */
-static inline void interleave_rows(const __m512i rows[4], __m512i out[4]) {
-    const __m512i low01 = _mm512_unpacklo_epi8(rows[0], rows[1]), high01 = _mm512_unpackhi_epi8(rows[0], rows[1]);
-    const __m512i low23 = _mm512_unpacklo_epi8(rows[2], rows[3]), high23 = _mm512_unpackhi_epi8(rows[2], rows[3]);
-    out[0] = _mm512_unpacklo_epi16(low01, low23);
-    out[1] = _mm512_unpackhi_epi16(low01, low23);
-    out[2] = _mm512_unpacklo_epi16(high01, high23);
-    out[3] = _mm512_unpackhi_epi16(high01, high23);
+/* One query head's sums (sums[c * 4 + j] lane 4 L + i: dimension 64 c + 16 L + 4 j + i) times
+ * `correction`, plus the block's value rows times its 8-bit weights. */
+static inline __attribute__((always_inline)) void add_values(const Block *block, const uint8_t *weights, float step,
+                                                             float correction, const int chunks, __m512 *sums) {
+    for (int c = 0; c < chunks; c++) {
+        __m512i block_sums[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                                 _mm512_setzero_si512()};
+        for (int t = 0; t < block->count; t += 4) {
+            int32_t four;
+            memcpy(&four, weights + t, sizeof four);
+            const __m512i units = _mm512_set1_epi32(four);
+            for (int j = 0; j < 4; j++) block_sums[j] = _mm512_dpbusd_epi32(block_sums[j], units, block->values[c][t / 4][j]);
+        }
+        for (int j = 0; j < 4; j++)
+            sums[c * 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums[j]), _mm512_set1_ps(step),
+                                              _mm512_mul_ps(sums[c * 4 + j], _mm512_set1_ps(correction)));
+    }
 }
 
 /* The K and V lines of a block ahead, asked for a few at a time while the current block is
@@ -266,43 +321,12 @@ static inline void fetch_ahead(Ahead *ahead, int lines) {
     }
 }
 
-/* The value rows of one kv head in a block, times each query head's 8-bit weights, added to its
- * sums (sums[g][j] lane 4 L + i: dimension 64 c + 16 L + 4 j + i of chunk c). */
-static inline __attribute__((always_inline)) void add_values(const Item *item, const int8_t *values, int count,
-                                                             uint8_t weights[][MAX_BLOCK_SIZE + 4], const float *steps,
-                                                             const int chunks, const int group,
-                                                             __m512 sums[][MAX_CHUNKS][4], Ahead *ahead, int lines) {
-    for (int c = 0; c < chunks; c++) {
-        const __mmask64 mask = chunk_mask(item->head_dim, c);
-        __m512i block_sums[MAX_GROUP][4];
-        for (int g = 0; g < group; g++)
-            for (int j = 0; j < 4; j++) block_sums[g][j] = _mm512_setzero_si512();
-        for (int t = 0; t < count; t += 4) {
-            __m512i rows[4], interleaved[4];
-            for (int r = 0; r < 4; r++)
-                rows[r] = t + r < count ? _mm512_maskz_loadu_epi8(mask, values + (t + r) * item->token_stride + c * CHUNK)
-                                        : _mm512_setzero_si512();
-            interleave_rows(rows, interleaved);
-            fetch_ahead(ahead, lines);
-            for (int g = 0; g < group; g++) {
-                int32_t four;
-                memcpy(&four, weights[g] + t, sizeof four);
-                const __m512i units = _mm512_set1_epi32(four);
-                for (int j = 0; j < 4; j++) block_sums[g][j] = _mm512_dpbusd_epi32(block_sums[g][j], units, interleaved[j]);
-            }
-        }
-        for (int g = 0; g < group; g++)
-            for (int j = 0; j < 4; j++)
-                sums[g][c][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums[g][j]), _mm512_set1_ps(steps[g]), sums[g][c][j]);
-    }
-}
-
 /* sums / total as bf16 dimensions, un-interleaving add_values' order. */
-static inline void store_head(const __m512 sums[][4], float total, int head_dim, uint16_t *out) {
+static inline void store_head(const __m512 *sums, float total, int head_dim, uint16_t *out) {
     const __m512 inverse = _mm512_set1_ps(1.0f / total);
     for (int c = 0; c * CHUNK < head_dim; c++) {
-        /* dimensions 64 c + 16 L .. + 15 are lane L of sums[c][0 .. 3] */
-        const __m512 *a = sums[c];
+        /* dimensions 64 c + 16 L .. + 15 are lane L of sums[4 c .. 4 c + 3] */
+        const __m512 *a = sums + 4 * c;
         const __m512 x0 = _mm512_shuffle_f32x4(a[0], a[1], 0x44), x1 = _mm512_shuffle_f32x4(a[0], a[1], 0xEE);
         const __m512 x2 = _mm512_shuffle_f32x4(a[2], a[3], 0x44), x3 = _mm512_shuffle_f32x4(a[2], a[3], 0xEE);
         const __m512 ordered[4] = {_mm512_shuffle_f32x4(x0, x2, 0x88), _mm512_shuffle_f32x4(x0, x2, 0xDD),
@@ -313,63 +337,89 @@ static inline void store_head(const __m512 sums[][4], float total, int head_dim,
     }
 }
 
-/* One item's attention into out (bf16, its query heads' rows); `chunks` is head_dim / 64
- * rounded up. Block by block, every kv head of the item in turn (a token's heads share lines,
- * read once). Inlined where `chunks` and `group` are constants, so that a block's sums stay in
- * registers. */
-static inline __attribute__((always_inline)) void attend_shape(const Item *item, const int32_t *table, int context,
-                                                               const uint16_t *q, uint16_t *out, const int chunks,
-                                                               const int group) {
-    const int num_heads = item->kv_heads * group, row_bytes = item->head_dim + SCALE_BYTES;
+/* An item's softmax state: each query head's running softmax and its sums (head h's at
+ * sums[h * chunks * 4 ..], add_values' order). */
+typedef struct {
     Queries queries;
-    Softmax softmax[MAX_ITEM_HEADS];
-    __m512 sums[MAX_ITEM_HEADS][MAX_CHUNKS][4];
-    float scores[MAX_GROUP][MAX_BLOCK_SIZE], value_scales[MAX_BLOCK_SIZE], steps[MAX_GROUP];
-    uint8_t weights[MAX_GROUP][MAX_BLOCK_SIZE + 4];
-    quantize_queries(q, num_heads, item->head_dim, item->scale, &queries);
-    for (int g = 0; g < num_heads; g++) {
-        softmax[g] = (Softmax){-3.0e38f, 0.0f};
-        for (int c = 0; c < chunks; c++)
-            for (int j = 0; j < 4; j++) sums[g][c][j] = _mm512_setzero_ps();
-    }
-    for (int start = 0; start < context; start += item->block_size) {
+    Softmax softmax[ITEM_HEAD_CHUNKS];
+    __m512 sums[ITEM_HEAD_CHUNKS * 4];
+    Block block;
+} ItemState;
+
+/* Positions [from_block * block_size, context) of the sequence with `table`, attended by the
+ * query heads of the item's members first_member .. end_member - 1, block by block, every kv head
+ * of a block in turn (a token's heads share lines, read once), each laid out once for all of
+ * them; the lines FETCH_DISTANCE blocks ahead asked for meanwhile. */
+static inline __attribute__((always_inline)) void attend_positions(const Item *item, const int32_t *table,
+                                                                   int from_block, int context, int first_member,
+                                                                   int end_member, const int chunks, ItemState *state) {
+    const int row_bytes = item->head_dim + SCALE_BYTES, heads = item->kv_heads * item->group;
+    float scores[MAX_BLOCK_SIZE];
+    uint8_t weights[MAX_BLOCK_SIZE + 16];
+    for (int start = from_block * item->block_size; start < context; start += item->block_size) {
         const int count = context - start < item->block_size ? context - start : item->block_size;
         const int64_t first_byte = (int64_t)table[start / item->block_size] * item->block_size * item->token_stride;
         Ahead ahead = {0};
         if (start + FETCH_DISTANCE * item->block_size < context)
             ahead = plan_block(item, table[start / item->block_size + FETCH_DISTANCE]);
-        /* spread over the block's value steps: chunks * count / 4 for each kv head */
-        const int steps_per_block = item->kv_heads * chunks * ((count + 3) / 4);
-        const int lines = (int)((ahead.bytes / 64 + steps_per_block) / steps_per_block);
+        const int calls = heads * (end_member - first_member); /* one fetch_ahead per query head */
+        const int lines = (int)((ahead.bytes / 64 + calls) / calls);
         for (int h = 0; h < item->kv_heads; h++) {
-            const int8_t *keys = item->k_cache + first_byte + h * row_bytes, *values = item->v_cache + first_byte + h * row_bytes;
-            block_scores(item, keys, count, &queries, h * group, chunks, group, scores);
-            for (int t = 0; t < count; t++) value_scales[t] = row_scale(values + t * item->token_stride, item->head_dim);
-            for (int g = 0; g < group; g++) {
-                const float correction = block_weights(scores[g], value_scales, count, &softmax[h * group + g], weights[g],
-                                                       &steps[g]);
-                for (int c = 0; c < chunks; c++)
-                    for (int j = 0; j < 4; j++)
-                        sums[h * group + g][c][j] = _mm512_mul_ps(sums[h * group + g][c][j], _mm512_set1_ps(correction));
-            }
-            add_values(item, values, count, weights, steps, chunks, group, sums + h * group, &ahead, lines);
+            lay_out_block(item, item->k_cache + first_byte + h * row_bytes, item->v_cache + first_byte + h * row_bytes,
+                          count, chunks, &state->block);
+            for (int m = first_member; m < end_member; m++)
+                for (int g = 0; g < item->group; g++) {
+                    const int head = m * heads + h * item->group + g;
+                    float step;
+                    head_scores(&state->block, &state->queries, head, chunks, scores);
+                    const float correction = block_weights(scores, state->block.value_scales, count,
+                                                           &state->softmax[head], weights, &step);
+                    add_values(&state->block, weights, step, correction, chunks, state->sums + head * chunks * 4);
+                    fetch_ahead(&ahead, lines);
+                }
         }
     }
-    for (int g = 0; g < num_heads; g++) store_head(sums[g], softmax[g].total, item->head_dim, out + g * item->head_dim);
 }
 
-#define SHAPE(chunks, group) \
-    case (chunks) * MAX_GROUP + (group): attend_shape(item, table, context, q, out, chunks, group); return;
-
-/* `attend_shape` compiled for head_dim 64 and 128 with up to 8 query heads a kv head, else for
- * any shape. */
-static void attend(const Item *item, const int32_t *table, int context, const uint16_t *q, uint16_t *out) {
-    const int chunks = (item->head_dim + CHUNK - 1) / CHUNK;
-    switch (item->head_dim % CHUNK == 0 ? chunks * MAX_GROUP + item->group : -1) {
-        SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) SHAPE(1, 4) SHAPE(1, 5) SHAPE(1, 6) SHAPE(1, 7) SHAPE(1, 8)
-        SHAPE(2, 1) SHAPE(2, 2) SHAPE(2, 3) SHAPE(2, 4) SHAPE(2, 5) SHAPE(2, 6) SHAPE(2, 7) SHAPE(2, 8)
-        default: attend_shape(item, table, context, q, out, chunks, item->group);
+/* One work item's attention into out (bf16): the shared blocks once for every member's query
+ * heads, then each member's own positions. A member's heads see the same blocks in the same order
+ * as they would alone, so its output is the same as without the group. Inlined where `chunks`
+ * (head_dim / 64 rounded up) is a constant. */
+static inline __attribute__((always_inline)) void attend_shape(const Item *item, const Work *work,
+                                                               const int32_t *block_tables, int max_blocks,
+                                                               const int32_t *context_lens, int num_heads,
+                                                               const uint16_t *q, uint16_t *out, const int chunks,
+                                                               ItemState *state) {
+    const int heads = item->kv_heads * item->group;
+    for (int m = 0; m < work->count; m++) {
+        const int64_t rows = ((int64_t)(work->first + m) * num_heads + (int64_t)work->first_head * item->group) * item->head_dim;
+        quantize_queries(q + rows, heads, item->head_dim, chunks, item->scale, m * heads, &state->queries);
     }
+    for (int h = 0; h < work->count * heads; h++) {
+        state->softmax[h] = (Softmax){-3.0e38f, 0.0f};
+        for (int i = 0; i < chunks * 4; i++) state->sums[h * chunks * 4 + i] = _mm512_setzero_ps();
+    }
+    const int32_t *tables = block_tables + (int64_t)work->first * max_blocks;
+    if (work->shared_blocks > 0)
+        attend_positions(item, tables, 0, work->shared_blocks * item->block_size, 0, work->count, chunks, state);
+    for (int m = 0; m < work->count; m++)
+        attend_positions(item, tables + (int64_t)m * max_blocks, work->shared_blocks, context_lens[work->first + m], m,
+                         m + 1, chunks, state);
+    for (int m = 0; m < work->count; m++)
+        for (int g = 0; g < heads; g++) {
+            const int64_t row = (int64_t)(work->first + m) * num_heads + (int64_t)work->first_head * item->group + g;
+            store_head(state->sums + (m * heads + g) * chunks * 4, state->softmax[m * heads + g].total, item->head_dim,
+                       out + row * item->head_dim);
+        }
+}
+
+/* `attend_shape` compiled for head_dim 64 and 128, else for any. */
+static void attend(const Item *item, const Work *work, const int32_t *block_tables, int max_blocks,
+                   const int32_t *context_lens, int num_heads, const uint16_t *q, uint16_t *out, ItemState *state) {
+    const int chunks = (item->head_dim + CHUNK - 1) / CHUNK;
+    if (chunks == 1) attend_shape(item, work, block_tables, max_blocks, context_lens, num_heads, q, out, 1, state);
+    else if (chunks == 2) attend_shape(item, work, block_tables, max_blocks, context_lens, num_heads, q, out, 2, state);
+    else attend_shape(item, work, block_tables, max_blocks, context_lens, num_heads, q, out, chunks, state);
 }
 
 static int check_layout(const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_blocks,
@@ -385,35 +435,92 @@ static int check_layout(const int32_t *block_tables, const int32_t *context_lens
     return STATUS_OK;
 }
 
+/* Whether group (first, end, prefix) keeps its invariants: at least two members, each holding
+ * the first member's blocks for positions [0, prefix) and a position past them. */
+static int is_group(const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int block_size,
+                    int max_blocks, int first, int end, int prefix) {
+    if (end > num_seqs || end - first < 2 || prefix < 1) return 0;
+    for (int member = first; member < end; member++)
+        if (prefix >= context_lens[member] ||
+            memcmp(block_tables + (int64_t)member * max_blocks, block_tables + (int64_t)first * max_blocks,
+                   sizeof(int32_t) * (size_t)((prefix + block_size - 1) / block_size)))
+            return 0;
+    return 1;
+}
+
+/* The work items (as many as returned, into `works`, which holds num_seqs * num_kv_heads): a
+ * group's members in runs whose query heads fit an item, each run over as many kv heads as fit;
+ * every other sequence's kv heads in as few items as give every thread one. Returns
+ * -STATUS_BAD_GROUP for a group out of order, overlapping or breaking its invariants. */
+static int plan_work(const int32_t *block_tables, const int32_t *context_lens, const int32_t *groups, int num_groups,
+                     int num_seqs, int num_kv_heads, int group, int chunks, int block_size, int max_blocks,
+                     int num_threads, Work *works) {
+    const int item_heads = ITEM_HEAD_CHUNKS / chunks; /* query heads an item holds */
+    int lone_heads = item_heads / group < num_kv_heads ? item_heads / group : num_kv_heads;
+    const int splits_wanted = num_seqs >= num_threads ? 1 : (num_threads + num_seqs - 1) / num_seqs;
+    if (splits_wanted > 1) {
+        const int split = (num_kv_heads + splits_wanted - 1) / splits_wanted;
+        lone_heads = split < lone_heads ? split : lone_heads;
+    }
+    int num_works = 0, g = 0;
+    for (int seq = 0; seq < num_seqs;) {
+        if (g == num_groups || groups[3 * g] != seq) {
+            for (int h = 0; h < num_kv_heads; h += lone_heads)
+                works[num_works++] = (Work){seq, 1, 0, h, num_kv_heads - h < lone_heads ? num_kv_heads - h : lone_heads};
+            seq++;
+            continue;
+        }
+        const int end = groups[3 * g + 1], prefix = groups[3 * g + 2];
+        if (!is_group(block_tables, context_lens, num_seqs, block_size, max_blocks, seq, end, prefix))
+            return -STATUS_BAD_GROUP;
+        const int most_members = item_heads / group;
+        for (int first = seq; first < end; first += most_members) {
+            const int count = end - first < most_members ? end - first : most_members;
+            const int kv_heads = item_heads / (count * group) < num_kv_heads ? item_heads / (count * group) : num_kv_heads;
+            for (int h = 0; h < num_kv_heads; h += kv_heads)
+                works[num_works++] = (Work){first, count, prefix / block_size, h,
+                                            num_kv_heads - h < kv_heads ? num_kv_heads - h : kv_heads};
+        }
+        seq = end, g++;
+    }
+    return g == num_groups ? num_works : -STATUS_BAD_GROUP;
+}
+
 int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *k_cache, const int8_t *v_cache,
-                                const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
-                                int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                                int max_blocks, float scale, int num_threads) {
+                                const int32_t *block_tables, const int32_t *context_lens, const int32_t *groups,
+                                int num_groups, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                int num_blocks, int block_size, int max_blocks, float scale, int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads != 0 || head_dim % VECTOR != 0
             || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE)
         return STATUS_UNSUPPORTED;
     const int status = check_layout(block_tables, context_lens, num_seqs, num_blocks, block_size, max_blocks);
     if (status != STATUS_OK) return status;
-    /* a sequence's kv heads in as few items as give every thread one */
-    int heads_per_item = MAX_ITEM_HEADS / group < num_kv_heads ? MAX_ITEM_HEADS / group : num_kv_heads;
-    const int splits_wanted = num_seqs >= num_threads ? 1 : (num_threads + num_seqs - 1) / num_seqs;
-    if (splits_wanted > 1) {
-        const int split = (num_kv_heads + splits_wanted - 1) / splits_wanted;
-        heads_per_item = split < heads_per_item ? split : heads_per_item;
+    const int chunks = (head_dim + CHUNK - 1) / CHUNK;
+    Work *works = (Work *)malloc(sizeof(Work) * (size_t)(num_seqs > 0 ? num_seqs * num_kv_heads : 1));
+    if (works == NULL) return STATUS_NO_MEMORY;
+    const int num_works = plan_work(block_tables, context_lens, groups, num_groups, num_seqs, num_kv_heads, group,
+                                    chunks, block_size, max_blocks, num_threads, works);
+    int result = num_works < 0 ? -num_works : STATUS_OK;
+    const int64_t row_bytes = head_dim + SCALE_BYTES;
+#pragma omp parallel num_threads(num_threads) if (num_works > 1)
+    {
+        ItemState *state = (ItemState *)aligned_alloc(64, sizeof(ItemState));
+        if (state == NULL) {
+#pragma omp atomic write
+            result = STATUS_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic)
+        for (int i = 0; i < (state ? num_works : 0); i++) {
+            const Work *work = &works[i];
+            const Item item = {k_cache + work->first_head * row_bytes, v_cache + work->first_head * row_bytes,
+                               num_kv_heads * row_bytes, head_dim, block_size, group, work->kv_heads, scale};
+            attend(&item, work, block_tables, max_blocks, context_lens, num_heads, q, out, state);
+        }
+        free(state);
     }
-    const int splits = (num_kv_heads + heads_per_item - 1) / heads_per_item;
-    const int64_t row_bytes = head_dim + SCALE_BYTES, num_items = (int64_t)num_seqs * splits;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic)
-    for (int64_t i = 0; i < num_items; i++) {
-        const int s = (int)(i / splits), h = (int)(i % splits) * heads_per_item;
-        const int kv_heads = num_kv_heads - h < heads_per_item ? num_kv_heads - h : heads_per_item;
-        const Item item = {k_cache + h * row_bytes, v_cache + h * row_bytes, num_kv_heads * row_bytes, head_dim,
-                           block_size, group, kv_heads, scale};
-        const int64_t rows = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;
-        attend(&item, block_tables + (int64_t)s * max_blocks, context_lens[s], q + rows, out + rows);
-    }
-    return STATUS_OK;
+    free(works);
+    return result;
 }
 
 /* One (token, head) row of head_dim bf16 values as an int8 cache row. */
@@ -472,9 +579,9 @@ int bg_kv_int8_attention_available(void) { return 1; }
 #else
 
 int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *k_cache, const int8_t *v_cache,
-                                const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
-                                int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size,
-                                int max_blocks, float scale, int num_threads) {
+                                const int32_t *block_tables, const int32_t *context_lens, const int32_t *groups,
+                                int num_groups, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                int num_blocks, int block_size, int max_blocks, float scale, int num_threads) {
     return STATUS_UNSUPPORTED;
 }
 
