@@ -29,13 +29,23 @@
  * - values: 4 value rows are interleaved byte-wise, so that each int32 lane holds one dimension
  *   of 4 tokens; with the 4 tokens' weights (0 .. 255) broadcast, one instruction adds 16
  *   dimensions' weighted values; a block's int32 sums are scaled into float32 once.
- * A work item is one sequence's kv heads (split over items only where sequences are fewer than
- * threads), computed block by block, every head of a block in turn: a token's heads share cache
+ * A block's rows of a kv head are laid out so once (Layouts) for every query head that attends
+ * them. The softmax step runs on 16 query heads at a time, a head a lane (their scores transposed
+ * so that a vector holds one token's), so it needs no reductions across lanes.
+ *
+ * Shared-prefix groups (`groups`: rows (first, end, prefix), in order and disjoint; members
+ * first .. end - 1, at least two, hold the same blocks for positions [0, prefix), each past it):
+ * the whole blocks of the prefix are attended once for all the members' query heads (cascade),
+ * then each member's own positions for its own. Every query head sees the same blocks in the same
+ * order with or without its group, so its output is the same, bit for bit.
+ *
+ * A work item is a group's members (as many as an item's query heads hold) or one other sequence,
+ * over its kv heads (a lone sequence's split over items only where sequences are fewer than
+ * threads), computed block by block, every kv head of a block in turn: a token's heads share cache
  * lines, read from memory once. The next blocks' lines are asked for a few at a time while a
  * block is computed (blocks sit anywhere in the pool; asked for at once, a block's lines fill the
  * core's miss buffers and the computing waits; measured in docs/performance.md).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,21 +107,23 @@ typedef struct {
 static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int chunks, float scale, int first_head,
                              Queries *queries) {
     for (int g = 0; g < num_heads; g++) {
-        float row[MAX_HEAD_DIM], absmax = 0.0f;
-        for (int d = 0; d < head_dim; d++) {
-            row[d] = bf16_to_float(q[g * head_dim + d]) * scale;
-            absmax = fabsf(row[d]) > absmax ? fabsf(row[d]) : absmax;
-        }
-        const float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+        const uint16_t *x = q + g * head_dim;
+        __m512 peak = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += VECTOR)
+            peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_mul_ps(bf16_vector(x + d), _mm512_set1_ps(scale))));
+        const float absmax = _mm512_reduce_max_ps(peak);
+        const __m512 inverse = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
         int8_t values[MAX_CHUNKS * CHUNK] = {0};
-        int sum = 0;
-        for (int d = 0; d < head_dim; d++) {
-            values[d] = (int8_t)lrintf(row[d] * inverse);
-            sum += values[d];
+        __m512i sum = _mm512_setzero_si512();
+        for (int d = 0; d < head_dim; d += VECTOR) {
+            const __m512 row = _mm512_mul_ps(bf16_vector(x + d), _mm512_set1_ps(scale));
+            const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(row, inverse)); /* nearest even */
+            sum = _mm512_add_epi32(sum, rounded);
+            _mm_storeu_si128((__m128i *)(values + d), _mm512_cvtsepi32_epi8(rounded));
         }
         memcpy(queries->dwords[(first_head + g) * chunks], values, (size_t)chunks * CHUNK);
         queries->scales[first_head + g] = absmax / 127.0f;
-        queries->offsets[first_head + g] = 128.0f * (float)sum;
+        queries->offsets[first_head + g] = 128.0f * (float)_mm512_reduce_add_epi32(sum);
     }
 }
 
@@ -164,39 +176,67 @@ static inline void interleave_rows(const __m512i rows[4], __m512i out[4]) {
     out[3] = _mm512_unpackhi_epi16(high01, high23);
 }
 
-/* One kv head's rows of a block as both products read them, laid out once for every query head
- * that attends them: keys in 16-token groups, each chunk's 16 rows (sign bits flipped) transposed
- * as 16 x 16 dwords, so that lane t of keys[i][c][j] holds token 16 i + t's bytes 64 c + 4 j ..
- * + 3 (zero rows past `count`); values 4 tokens interleaved (interleave_rows). */
+/* Where one block's rows of each of an item's kv heads lie once laid out for the products, every
+ * query head that attends them reading the same layout: per kv head `stride` vectors, holding
+ * - keys: per 16-token group and 64-dim chunk, the 16 rows (sign bits flipped; zero rows past the
+ *   block's count) transposed as 16 x 16 dwords, so that lane t of vector j holds token t's bytes
+ *   4 j .. 4 j + 3;
+ * - key scales: per 16-token group, each token's;
+ * - values: per chunk and 4 tokens, the 4 rows interleaved (interleave_rows);
+ * - value scales: per 16-token group, each token's (0 past the count). */
 typedef struct {
-    __m512i keys[MAX_BLOCK_SIZE / VECTOR][MAX_CHUNKS][DWORDS];
-    __m512 key_scales[MAX_BLOCK_SIZE / VECTOR];
-    __m512i values[MAX_CHUNKS][MAX_BLOCK_SIZE / 4][4];
-    float value_scales[MAX_BLOCK_SIZE];
-    int count;
-} Block;
+    __m512i *vectors;
+    int64_t stride;
+    int token_groups, quads, chunks; /* of a whole block: ceil(block_size / 16), ceil(block_size / 4) */
+    int count;                       /* the block's tokens */
+} Layouts;
+
+static inline Layouts plan_layouts(int block_size, int chunks) {
+    const int token_groups = (block_size + VECTOR - 1) / VECTOR, quads = (block_size + 3) / 4;
+    return (Layouts){NULL, (int64_t)token_groups * (chunks * DWORDS + 2) + (int64_t)chunks * quads * 4, token_groups,
+                     quads, chunks, 0};
+}
+
+static inline __m512i *key_vectors(const Layouts *l, int kv, int token_group, int c) {
+    return l->vectors + kv * l->stride + (token_group * l->chunks + c) * DWORDS;
+}
+
+static inline __m512 *key_scales(const Layouts *l, int kv) {
+    return (__m512 *)(l->vectors + kv * l->stride + l->token_groups * l->chunks * DWORDS);
+}
+
+static inline __m512i *value_vectors(const Layouts *l, int kv, int c, int quad) {
+    return l->vectors + kv * l->stride + l->token_groups * (l->chunks * DWORDS + 1) + (c * l->quads + quad) * 4;
+}
+
+static inline float *value_scales(const Layouts *l, int kv) {
+    return (float *)(l->vectors + kv * l->stride + l->token_groups * (l->chunks * DWORDS + 1) + l->chunks * l->quads * 4);
+}
 
 static inline __attribute__((always_inline)) void lay_out_block(const Item *item, const int8_t *keys,
-                                                                const int8_t *values, int count, const int chunks,
-                                                                Block *block) {
+                                                                const int8_t *values, const int chunks, int kv,
+                                                                Layouts *l) {
+    const int count = l->count;
     const __m512i sign_bits = _mm512_set1_epi8((char)0x80);
     const __m512i scale_offsets = _mm512_mullo_epi32(_mm512_set1_epi32((int)item->token_stride),
                                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    block->count = count;
     for (int first = 0; first < count; first += VECTOR) {
         const int8_t *rows = keys + first * item->token_stride;
         for (int c = 0; c < chunks; c++) {
             const __mmask64 mask = chunk_mask(item->head_dim, c);
-            __m512i *groups = block->keys[first / VECTOR][c];
+            __m512i *groups = key_vectors(l, kv, first / VECTOR, c);
             for (int t = 0; t < VECTOR; t++)
                 groups[t] = _mm512_xor_si512(t < count - first ? _mm512_maskz_loadu_epi8(mask, rows + t * item->token_stride + c * CHUNK)
                                                               : _mm512_setzero_si512(), sign_bits);
             transpose_dwords(groups);
         }
-        block->key_scales[first / VECTOR] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes_before(count, first),
-                                                                     scale_offsets, rows + item->head_dim, 1);
+        const __mmask16 lanes = lanes_before(count, first);
+        key_scales(l, kv)[first / VECTOR] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, scale_offsets,
+                                                                     rows + item->head_dim, 1);
+        _mm512_storeu_ps(value_scales(l, kv) + first,
+                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, scale_offsets,
+                                                  values + first * item->token_stride + item->head_dim, 1));
     }
-    for (int t = 0; t < count; t++) block->value_scales[t] = row_scale(values + t * item->token_stride, item->head_dim);
     for (int c = 0; c < chunks; c++) {
         const __mmask64 mask = chunk_mask(item->head_dim, c);
         for (int t = 0; t < count; t += 4) {
@@ -204,28 +244,27 @@ static inline __attribute__((always_inline)) void lay_out_block(const Item *item
             for (int r = 0; r < 4; r++)
                 rows[r] = t + r < count ? _mm512_maskz_loadu_epi8(mask, values + (t + r) * item->token_stride + c * CHUNK)
                                         : _mm512_setzero_si512();
-            interleave_rows(rows, block->values[c][t / 4]);
+            interleave_rows(rows, value_vectors(l, kv, c, t / 4));
         }
     }
 }
 
-/* One query head's scores of the block's tokens: exact int8 dot products, times the query's and
- * the key row's scales (lanes past the block's count are left over, never read). */
-static inline __attribute__((always_inline)) void head_scores(const Block *block, const Queries *queries, int head,
-                                                              const int chunks, float *scores) {
-    for (int first = 0; first < block->count; first += VECTOR) {
-        __m512i dots[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                           _mm512_setzero_si512()}; /* four chains of dependent instructions, not one */
-        for (int c = 0; c < chunks; c++)
-            for (int j = 0; j < DWORDS; j++)
-                dots[j % 4] = _mm512_dpbusd_epi32(dots[j % 4], block->keys[first / VECTOR][c][j],
-                                                  _mm512_set1_epi32(queries->dwords[head * chunks + c][j]));
-        /* exact: |dots| < 2^24 */
-        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dots[0], dots[1]), _mm512_add_epi32(dots[2], dots[3]));
-        const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(queries->offsets[head]));
-        _mm512_storeu_ps(scores + first, _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(queries->scales[head])),
-                                                       block->key_scales[first / VECTOR]));
+/* One query head's scores of a 16-token group of the block (its kv head's layout): exact int8 dot
+ * products, times the query's and the key row's scales (lanes past the block's count are left
+ * over, never used). */
+static inline __attribute__((always_inline)) __m512 head_scores(const Layouts *l, int kv, int token_group,
+                                                                const Queries *queries, int head, const int chunks) {
+    __m512i dots[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                       _mm512_setzero_si512()}; /* four chains of dependent instructions, not one */
+    for (int c = 0; c < chunks; c++) {
+        const __m512i *keys = key_vectors(l, kv, token_group, c);
+        for (int j = 0; j < DWORDS; j++)
+            dots[j % 4] = _mm512_dpbusd_epi32(dots[j % 4], keys[j], _mm512_set1_epi32(queries->dwords[head * chunks + c][j]));
     }
+    /* exact: |dots| < 2^24 */
+    const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dots[0], dots[1]), _mm512_add_epi32(dots[2], dots[3]));
+    const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(queries->offsets[head]));
+    return _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(queries->scales[head])), key_scales(l, kv)[token_group]);
 }
 
 /* exp(x) for x <= 0 (a score less the running max), 0 below -87: 2 ** (x log2 e) as 2 ** n
@@ -241,62 +280,102 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* One query head's online softmax: the running max of its scores and sum of its weights. */
+/* Up to 16 query heads attending a block together, one a lane: their head indices and kv heads. */
 typedef struct {
-    float max, total;
-} Softmax;
+    int heads[VECTOR], kvs[VECTOR];
+    int n;
+} Lanes;
 
-/* A block's softmax weights of one query head, times each token's value scale, as bytes
- * round(w * 255 / max w) in weights[0 .. count) (zeros up to the next multiple of 16); updates
- * the running softmax, returns the factor earlier sums are multiplied by (`*step`: what one
- * weight unit is worth). */
-static inline float block_weights(const float *scores, const float *value_scales, int count, Softmax *softmax,
-                                  uint8_t *weights, float *step) {
-    __m512 peak = _mm512_set1_ps(-3.0e38f);
-    for (int first = 0; first < count; first += VECTOR)
-        peak = _mm512_mask_max_ps(peak, lanes_before(count, first), peak, _mm512_loadu_ps(scores + first));
-    const float new_max = fmaxf(softmax->max, _mm512_reduce_max_ps(peak));
-    const float correction = expf(softmax->max - new_max);
-    float exponentials[MAX_BLOCK_SIZE];
-    __m512 total = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
-    for (int first = 0; first < count; first += VECTOR) {
-        const __mmask16 lanes = lanes_before(count, first);
-        const __m512 p = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + first),
-                                                                                 _mm512_set1_ps(new_max))));
-        total = _mm512_add_ps(total, p);
-        const __m512 w = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(lanes, value_scales + first));
-        largest = _mm512_max_ps(largest, w);
-        _mm512_storeu_ps(exponentials + first, w);
+/* An item's state: its queries, each query head's running softmax (the max of its scores, the
+ * sum of its weights) and sums (head h's at sums[h * chunks * 4 ..], add_values' order), and a
+ * block's scratch for one set of lanes: scores and value scales a token a vector, then the
+ * 8-bit weights of 4 tokens a dword, each head's step (what one weight unit is worth) and the
+ * factor of its earlier sums. */
+typedef struct {
+    Queries queries;
+    _Alignas(64) float max[ITEM_HEAD_CHUNKS];
+    _Alignas(64) float total[ITEM_HEAD_CHUNKS];
+    __m512 sums[ITEM_HEAD_CHUNKS * 4];
+    __m512 scores[MAX_BLOCK_SIZE], scales[MAX_BLOCK_SIZE];
+    __m512i words[MAX_BLOCK_SIZE / 4];
+    _Alignas(64) float steps[VECTOR], corrections[VECTOR];
+    Layouts layouts;
+} ItemState;
+
+/* The block's scores and value scales of the lanes' heads, transposed so that token t's are
+ * state->scores[t] and state->scales[t], a head a lane (lanes past n zero). */
+static inline __attribute__((always_inline)) void lane_scores(const Lanes *lanes, const int chunks, ItemState *state) {
+    const Layouts *l = &state->layouts;
+    for (int first = 0; first < l->count; first += VECTOR) {
+        __m512i scores[VECTOR], scales[VECTOR];
+        for (int i = 0; i < VECTOR; i++) {
+            scores[i] = i < lanes->n ? _mm512_castps_si512(head_scores(l, lanes->kvs[i], first / VECTOR, &state->queries,
+                                                                       lanes->heads[i], chunks))
+                                     : _mm512_setzero_si512();
+            scales[i] = i < lanes->n ? _mm512_loadu_si512(value_scales(l, lanes->kvs[i]) + first) : _mm512_setzero_si512();
+        }
+        transpose_dwords(scores);
+        transpose_dwords(scales);
+        for (int t = 0; t < VECTOR; t++)
+            state->scores[first + t] = _mm512_castsi512_ps(scores[t]), state->scales[first + t] = _mm512_castsi512_ps(scales[t]);
     }
-    softmax->total = softmax->total * correction + _mm512_reduce_add_ps(total);
-    softmax->max = new_max;
-    const float peak_weight = _mm512_reduce_max_ps(largest);
-    *step = peak_weight * (1.0f / WEIGHT_MAX);
-    const __m512 inverse = _mm512_set1_ps(peak_weight > 0.0f ? 1.0f / *step : 0.0f);
-    for (int first = 0; first < count; first += VECTOR) {
-        const __m512i units = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(exponentials + first), inverse));
-        _mm_storeu_si128((__m128i *)(weights + first),
-                         _mm512_maskz_cvtusepi32_epi8(lanes_before(count, first), units));
-    }
-    return correction;
 }
 
-/* One query head's sums (sums[c * 4 + j] lane 4 L + i: dimension 64 c + 16 L + 4 j + i) times
- * `correction`, plus the block's value rows times its 8-bit weights. */
-static inline __attribute__((always_inline)) void add_values(const Block *block, const uint8_t *weights, float step,
-                                                             float correction, const int chunks, __m512 *sums) {
+/* The online softmax step of the lanes' heads over the block, a head a lane: each weight (its
+ * softmax weight times its value row's scale) rounded to 8 bits against the head's largest of the
+ * block, round(w * 255 / max w), into state->words (4 tokens a dword, zeros past the count); each
+ * head's step and correction of its earlier sums into state->steps and state->corrections. */
+static inline void lane_weights(const Lanes *lanes, ItemState *state) {
+    const int count = state->layouts.count;
+    _Alignas(64) float maxes[VECTOR], totals[VECTOR];
+    for (int i = 0; i < VECTOR; i++)
+        maxes[i] = i < lanes->n ? state->max[lanes->heads[i]] : 0.0f, totals[i] = i < lanes->n ? state->total[lanes->heads[i]] : 0.0f;
+    const __m512 old_max = _mm512_load_ps(maxes);
+    __m512 peak = _mm512_set1_ps(-3.0e38f);
+    for (int t = 0; t < count; t++) peak = _mm512_max_ps(peak, state->scores[t]);
+    const __m512 new_max = _mm512_max_ps(old_max, peak), correction = exp_nonpositive(_mm512_sub_ps(old_max, new_max));
+    __m512 total = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
+    for (int t = 0; t < count; t++) {
+        const __m512 p = exp_nonpositive(_mm512_sub_ps(state->scores[t], new_max));
+        total = _mm512_add_ps(total, p);
+        state->scores[t] = _mm512_mul_ps(p, state->scales[t]); /* the weight */
+        largest = _mm512_max_ps(largest, state->scores[t]);
+    }
+    for (int t = count; t % 4; t++) state->scores[t] = _mm512_setzero_ps();
+    const __m512 step = _mm512_mul_ps(largest, _mm512_set1_ps(1.0f / WEIGHT_MAX));
+    const __m512 inverse = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(largest, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                               _mm512_set1_ps(1.0f), step);
+    for (int t = 0; t < count; t += 4) {
+        __m512i word = _mm512_setzero_si512();
+        for (int r = 0; r < 4; r++)
+            word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(state->scores[t + r], inverse)),
+                                                           8 * r));
+        state->words[t / 4] = word;
+    }
+    _mm512_store_ps(maxes, new_max);
+    _mm512_store_ps(totals, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(totals), correction), total));
+    _mm512_store_ps(state->steps, step);
+    _mm512_store_ps(state->corrections, correction);
+    for (int i = 0; i < lanes->n; i++) state->max[lanes->heads[i]] = maxes[i], state->total[lanes->heads[i]] = totals[i];
+}
+
+/* Lane i's head's sums (sums[c * 4 + j] lane 4 L + i': dimension 64 c + 16 L + 4 j + i') times
+ * its correction, plus its kv head's value rows of the block times its 8-bit weights. */
+static inline __attribute__((always_inline)) void add_values(const Lanes *lanes, int i, const int chunks,
+                                                             ItemState *state) {
+    const Layouts *l = &state->layouts;
+    __m512 *sums = state->sums + lanes->heads[i] * chunks * 4;
+    const __m512 step = _mm512_set1_ps(state->steps[i]), correction = _mm512_set1_ps(state->corrections[i]);
     for (int c = 0; c < chunks; c++) {
         __m512i block_sums[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                                  _mm512_setzero_si512()};
-        for (int t = 0; t < block->count; t += 4) {
-            int32_t four;
-            memcpy(&four, weights + t, sizeof four);
-            const __m512i units = _mm512_set1_epi32(four);
-            for (int j = 0; j < 4; j++) block_sums[j] = _mm512_dpbusd_epi32(block_sums[j], units, block->values[c][t / 4][j]);
+        for (int quad = 0; quad * 4 < l->count; quad++) {
+            const __m512i units = _mm512_set1_epi32(((const int32_t *)&state->words[quad])[i]);
+            const __m512i *values = value_vectors(l, lanes->kvs[i], c, quad);
+            for (int j = 0; j < 4; j++) block_sums[j] = _mm512_dpbusd_epi32(block_sums[j], units, values[j]);
         }
         for (int j = 0; j < 4; j++)
-            sums[c * 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums[j]), _mm512_set1_ps(step),
-                                              _mm512_mul_ps(sums[c * 4 + j], _mm512_set1_ps(correction)));
+            sums[c * 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums[j]), step, _mm512_mul_ps(sums[c * 4 + j], correction));
     }
 }
 
@@ -337,46 +416,42 @@ static inline void store_head(const __m512 *sums, float total, int head_dim, uin
     }
 }
 
-/* An item's softmax state: each query head's running softmax and its sums (head h's at
- * sums[h * chunks * 4 ..], add_values' order). */
-typedef struct {
-    Queries queries;
-    Softmax softmax[ITEM_HEAD_CHUNKS];
-    __m512 sums[ITEM_HEAD_CHUNKS * 4];
-    Block block;
-} ItemState;
-
 /* Positions [from_block * block_size, context) of the sequence with `table`, attended by the
- * query heads of the item's members first_member .. end_member - 1, block by block, every kv head
- * of a block in turn (a token's heads share lines, read once), each laid out once for all of
- * them; the lines FETCH_DISTANCE blocks ahead asked for meanwhile. */
+ * query heads of the item's members first_member .. end_member - 1, block by block: every kv
+ * head's rows of a block laid out once (a token's heads share lines, read once), then the heads
+ * 16 at a time, a head a lane, each one's scores, softmax step and sums; the lines FETCH_DISTANCE
+ * blocks ahead asked for meanwhile. A head's numbers do not depend on which heads share its lanes. */
 static inline __attribute__((always_inline)) void attend_positions(const Item *item, const int32_t *table,
                                                                    int from_block, int context, int first_member,
                                                                    int end_member, const int chunks, ItemState *state) {
     const int row_bytes = item->head_dim + SCALE_BYTES, heads = item->kv_heads * item->group;
-    float scores[MAX_BLOCK_SIZE];
-    uint8_t weights[MAX_BLOCK_SIZE + 16];
+    const int num_heads = heads * (end_member - first_member);
+    Lanes all[ITEM_HEAD_CHUNKS / VECTOR + 1];
+    int num_sets = 0;
+    for (int h = 0, i = 0; h < item->kv_heads; h++)
+        for (int m = first_member; m < end_member; m++)
+            for (int g = 0; g < item->group; g++, i++) {
+                Lanes *lanes = &all[i / VECTOR];
+                lanes->heads[i % VECTOR] = m * heads + h * item->group + g, lanes->kvs[i % VECTOR] = h;
+                lanes->n = i % VECTOR + 1, num_sets = i / VECTOR + 1;
+            }
     for (int start = from_block * item->block_size; start < context; start += item->block_size) {
-        const int count = context - start < item->block_size ? context - start : item->block_size;
+        state->layouts.count = context - start < item->block_size ? context - start : item->block_size;
         const int64_t first_byte = (int64_t)table[start / item->block_size] * item->block_size * item->token_stride;
         Ahead ahead = {0};
         if (start + FETCH_DISTANCE * item->block_size < context)
             ahead = plan_block(item, table[start / item->block_size + FETCH_DISTANCE]);
-        const int calls = heads * (end_member - first_member); /* one fetch_ahead per query head */
-        const int lines = (int)((ahead.bytes / 64 + calls) / calls);
-        for (int h = 0; h < item->kv_heads; h++) {
+        const int lines = (int)((ahead.bytes / 64 + num_heads) / num_heads); /* one fetch_ahead per head */
+        for (int h = 0; h < item->kv_heads; h++)
             lay_out_block(item, item->k_cache + first_byte + h * row_bytes, item->v_cache + first_byte + h * row_bytes,
-                          count, chunks, &state->block);
-            for (int m = first_member; m < end_member; m++)
-                for (int g = 0; g < item->group; g++) {
-                    const int head = m * heads + h * item->group + g;
-                    float step;
-                    head_scores(&state->block, &state->queries, head, chunks, scores);
-                    const float correction = block_weights(scores, state->block.value_scales, count,
-                                                           &state->softmax[head], weights, &step);
-                    add_values(&state->block, weights, step, correction, chunks, state->sums + head * chunks * 4);
-                    fetch_ahead(&ahead, lines);
-                }
+                          chunks, h, &state->layouts);
+        for (int s = 0; s < num_sets; s++) {
+            lane_scores(&all[s], chunks, state);
+            lane_weights(&all[s], state);
+            for (int i = 0; i < all[s].n; i++) {
+                add_values(&all[s], i, chunks, state);
+                fetch_ahead(&ahead, lines);
+            }
         }
     }
 }
@@ -396,7 +471,7 @@ static inline __attribute__((always_inline)) void attend_shape(const Item *item,
         quantize_queries(q + rows, heads, item->head_dim, chunks, item->scale, m * heads, &state->queries);
     }
     for (int h = 0; h < work->count * heads; h++) {
-        state->softmax[h] = (Softmax){-3.0e38f, 0.0f};
+        state->max[h] = -3.0e38f, state->total[h] = 0.0f;
         for (int i = 0; i < chunks * 4; i++) state->sums[h * chunks * 4 + i] = _mm512_setzero_ps();
     }
     const int32_t *tables = block_tables + (int64_t)work->first * max_blocks;
@@ -408,7 +483,7 @@ static inline __attribute__((always_inline)) void attend_shape(const Item *item,
     for (int m = 0; m < work->count; m++)
         for (int g = 0; g < heads; g++) {
             const int64_t row = (int64_t)(work->first + m) * num_heads + (int64_t)work->first_head * item->group + g;
-            store_head(state->sums + (m * heads + g) * chunks * 4, state->softmax[m * heads + g].total, item->head_dim,
+            store_head(state->sums + (m * heads + g) * chunks * 4, state->total[m * heads + g], item->head_dim,
                        out + row * item->head_dim);
         }
 }
@@ -421,6 +496,7 @@ static void attend(const Item *item, const Work *work, const int32_t *block_tabl
     else if (chunks == 2) attend_shape(item, work, block_tables, max_blocks, context_lens, num_heads, q, out, 2, state);
     else attend_shape(item, work, block_tables, max_blocks, context_lens, num_heads, q, out, chunks, state);
 }
+
 
 static int check_layout(const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_blocks,
                         int block_size, int max_blocks) {
@@ -503,20 +579,30 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
                                     chunks, block_size, max_blocks, num_threads, works);
     int result = num_works < 0 ? -num_works : STATUS_OK;
     const int64_t row_bytes = head_dim + SCALE_BYTES;
+    int most_kv_heads = 1;
+    for (int i = 0; i < (num_works > 0 ? num_works : 0); i++)
+        most_kv_heads = works[i].kv_heads > most_kv_heads ? works[i].kv_heads : most_kv_heads;
+    const Layouts layouts = plan_layouts(block_size, chunks);
 #pragma omp parallel num_threads(num_threads) if (num_works > 1)
     {
         ItemState *state = (ItemState *)aligned_alloc(64, sizeof(ItemState));
-        if (state == NULL) {
+        __m512i *vectors = (__m512i *)aligned_alloc(64, sizeof(__m512i) * (size_t)(layouts.stride * most_kv_heads));
+        if (state == NULL || vectors == NULL) {
+            free(state), free(vectors);
+            state = NULL;
 #pragma omp atomic write
             result = STATUS_NO_MEMORY;
         }
+        if (state) state->layouts = layouts, state->layouts.vectors = vectors;
 #pragma omp for schedule(dynamic)
-        for (int i = 0; i < (state ? num_works : 0); i++) {
+        for (int i = 0; i < num_works; i++) {
+            if (state == NULL) continue;
             const Work *work = &works[i];
             const Item item = {k_cache + work->first_head * row_bytes, v_cache + work->first_head * row_bytes,
                                num_kv_heads * row_bytes, head_dim, block_size, group, work->kv_heads, scale};
             attend(&item, work, block_tables, max_blocks, context_lens, num_heads, q, out, state);
         }
+        if (state) free(state->layouts.vectors);
         free(state);
     }
     free(works);
