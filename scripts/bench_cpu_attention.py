@@ -18,7 +18,8 @@ a decode step and the cascade decode (its groups) against the AVX-512 decode ker
 Then the decode step over an int8 pool (`kv_cache_dtype: int8`, the same K/V quantized) against
 the bf16 kernels over the bf16 pool: one layer (its pools fit in the caches), then the layers of
 a step (`--step-layers`, 30 as SmolLM2-135M's), one after another, each with pools of its own
-read from memory.
+read from memory; and the cascade decode's shape over the int8 pool, with its groups against
+without them and against the bf16 kernels with them.
 
     python scripts/bench_cpu_attention.py [--repeats 50] [--threads N] [--step-layers 30]
 """
@@ -130,6 +131,29 @@ def compare_int8_kv(repeats: int, scale: float, step_layers: int) -> None:
         bf16_calls = [kernel_call(*inputs, scale) for inputs in layers]
         bf16_ms = median_ms(call_each, (kernel, bf16_calls), max(3, repeats // 10))
         report(name, int8_ms, bf16_ms, int8_calls[-1][-1], bf16_calls[-1][-1])
+    compare_int8_cascade(repeats, scale, step_layers, kernels)
+
+
+def compare_int8_cascade(repeats: int, scale: float, step_layers: int, kernels: dict) -> None:
+    """Cascade decode (4 groups x 16 sequences, 1024 shared + 64 own tokens) over the int8 pool,
+    with the engine's groups, against it without them and against the bf16 kernels with them:
+    one layer, then `step_layers` layers' pools one after another."""
+    print(f"\nint8 K/V cascade decode, 4 groups x 16 sequences, 1024 shared + 64 own tokens\n{'against':<16}"
+          f"{'int8 ms':>8}{'other ms':>10}{'speedup':>9}{'max abs diff':>14}")
+    layers = [shared_prefix_inputs(torch.bfloat16) for _ in range(step_layers)]
+    groups = [decode_groups(tables, lens) for _, _, _, tables, lens in layers]
+    quantized = [(q, kv_int8.quantize(k), kv_int8.quantize(v), tables, lens) for q, k, v, tables, lens in layers]
+    cascade = [kernel_call(*inputs, scale, g) for inputs, g in zip(quantized, groups)]
+    plain = [kernel_call(*inputs, scale) for inputs in quantized]
+    others = {"int8, no groups": (kv_int8.paged_decode_attention, plain)}  # names fit report's 16 columns
+    for name, kernel in kernels.items():
+        others[f"bf16 {name}"] = (kernel, [kernel_call(*inputs, scale, g) for inputs, g in zip(layers, groups)])
+    int8_ms = median_ms(kv_int8.paged_decode_attention, cascade[0], repeats)
+    int8_step_ms = median_ms(call_each, (kv_int8.paged_decode_attention, cascade), max(3, repeats // 10))
+    for name, (kernel, calls) in others.items():
+        report(name, int8_ms, median_ms(kernel, calls[0], repeats), cascade[0][-1], calls[0][-1])
+        report(f"  {step_layers} layers", int8_step_ms, median_ms(call_each, (kernel, calls), max(3, repeats // 10)),
+               cascade[-1][-1], calls[-1][-1])
 
 
 def call_each(kernel, calls: list[tuple]) -> None:

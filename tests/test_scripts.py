@@ -257,9 +257,14 @@ def test_cpu_attention_bench_compares_the_kernels_with_sdpa(capsys):
     int8 = lines[int8_header + 2:]
     if kv_int8.is_available():
         kernels = ["avx-512"] + ["amx"] * amx_attention.supports(torch.bfloat16, bench_cpu_attention.HEAD_DIM)
-        one_layer, step = int8[:len(kernels)], int8[len(kernels) + 2:]  # a blank line and the step's header
+        one_layer, step = int8[:len(kernels)], int8[len(kernels) + 2:2 * len(kernels) + 2]  # a blank line, a header
         assert [line.split()[0] for line in one_layer] == [line.split()[0] for line in step] == kernels
         assert all(float(line.split()[-1]) < 1e-2 for line in one_layer + step)  # against the bf16 pool it quantizes
+        cascade = int8[2 * len(kernels) + 5:]  # a blank line and the cascade's two header lines
+        assert [line.rsplit(None, 4)[0] for line in cascade] == [
+            name for kernel in ["int8, no groups"] + [f"bf16 {k}" for k in kernels] for name in (kernel, "  2 layers")]
+        assert float(cascade[0].split()[-1]) == float(cascade[1].split()[-1]) == 0  # the same output, bit for bit
+        assert all(float(line.split()[-1]) < 1e-2 for line in cascade)  # against the bf16 pool it quantizes
     else:
         assert int8 == ["the int8 K/V kernel does not run here (needs AVX-512 and AVX512-BF16)"]
     if amx_attention.supports(torch.bfloat16, bench_cpu_attention.HEAD_DIM):
