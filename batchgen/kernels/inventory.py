@@ -65,7 +65,8 @@ C_KERNELS = (
     CKernel("bf16_gemm.c", "bfloat16 GEMM", bf16_gemm.is_available, "AVX512-BF16"),
     CKernel("int8_gemm.c", "int8 GEMM (quantization: int8)", int8_gemm.is_available, "AVX512-VNNI"),
     CKernel("kv_int8_attention.c",
-            "int8 K/V pool: decode attention, row store, block dequantize (kv_cache_dtype: int8)",
+            "int8 K/V pool: decode attention (shared prefixes read once), row store, block dequantize "
+            "(kv_cache_dtype: int8)",
             kv_int8.is_available, "AVX-512, AVX512-VNNI and AVX512-BF16"),
 )
 
