@@ -175,6 +175,8 @@ def test_shared_prefix_groups_read_once_give_each_member_its_output_alone(num_he
     from batchgen.kernels.shared_prefixes import prefix_groups
     from tests.conftest import torch_threads
 
+    # Where the CPU has AMX-INT8, shared blocks that give a kv head 16 query heads or more run on
+    # tiles, rows with fewer on VNNI: the equal outputs below then check one against the other.
     generator = torch.Generator().manual_seed(num_heads)
     # a lone sequence, a group of 3 over 5 blocks, and a group of 12 (more query heads than an
     # item holds where each kv head has 16) over 4 blocks; own blocks anywhere in the pool

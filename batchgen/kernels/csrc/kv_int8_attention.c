@@ -33,6 +33,12 @@
  * them. The softmax step runs on 16 query heads at a time, a head a lane (their scores transposed
  * so that a vector holds one token's), so it needs no reductions across lanes.
  *
+ * Where the CPU has AMX-INT8 and a segment gives each kv head at least 16 query heads (a group's
+ * shared blocks), each kv head's heads fill lane sets of their own, and both products run on
+ * tiles: the block's key rows as they lie in the pool times the lanes' queries (tokens x lanes),
+ * and the lanes' 8-bit weights times the interleaved value rows. They are the same exact int32
+ * sums as VNNI's, so the output is the same, bit for bit.
+ *
  * Shared-prefix groups (`groups`: rows (first, end, prefix), in order and disjoint; members
  * first .. end - 1, at least two, hold the same blocks for positions [0, prefix), each past it):
  * the whole blocks of the prefix are attended once for all the members' query heads (cascade),
@@ -69,6 +75,17 @@
 #define DWORDS (CHUNK / 4)                /* four-byte groups a vector */
 #define WEIGHT_MAX 255.0f                 /* the softmax weights' 8-bit range */
 #define FETCH_DISTANCE 2                  /* blocks ahead */
+/* Lane sets of a segment, and their chunks' query tiles: at most ITEM_HEAD_CHUNKS / (16 chunks)
+ * sets of heads, and on tiles as many part-filled ones (a kv head's heads, at least 16, fill sets
+ * of their own). */
+#define MAX_LANE_SETS (2 * ITEM_HEAD_CHUNKS / VECTOR)
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include "amx.h"
+#define HAS_TILES 1
+#else
+#define HAS_TILES 0
+#endif
 
 static inline __m512 bf16_vector(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
@@ -215,14 +232,14 @@ static inline float *value_scales(const Layouts *l, int kv) {
 
 static inline __attribute__((always_inline)) void lay_out_block(const Item *item, const int8_t *keys,
                                                                 const int8_t *values, const int chunks, int kv,
-                                                                Layouts *l) {
+                                                                int keys_on_tiles, Layouts *l) {
     const int count = l->count;
     const __m512i sign_bits = _mm512_set1_epi8((char)0x80);
     const __m512i scale_offsets = _mm512_mullo_epi32(_mm512_set1_epi32((int)item->token_stride),
                                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     for (int first = 0; first < count; first += VECTOR) {
         const int8_t *rows = keys + first * item->token_stride;
-        for (int c = 0; c < chunks; c++) {
+        for (int c = 0; c < (keys_on_tiles ? 0 : chunks); c++) { /* tiles read the keys as they lie */
             const __mmask64 mask = chunk_mask(item->head_dim, c);
             __m512i *groups = key_vectors(l, kv, first / VECTOR, c);
             for (int t = 0; t < VECTOR; t++)
@@ -280,10 +297,11 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Up to 16 query heads attending a block together, one a lane: their head indices and kv heads. */
+/* Up to 16 query heads attending a block together, one a lane: their head indices and kv heads;
+ * `on_tiles`: all of one kv head, their products computed on AMX-INT8 tiles. */
 typedef struct {
     int heads[VECTOR], kvs[VECTOR];
-    int n;
+    int n, on_tiles;
 } Lanes;
 
 /* An item's state: its queries, each query head's running softmax (the max of its scores, the
@@ -300,6 +318,10 @@ typedef struct {
     __m512i words[MAX_BLOCK_SIZE / 4];
     _Alignas(64) float steps[VECTOR], corrections[VECTOR];
     Layouts layouts;
+    int tiles;                                        /* this thread's tiles are configured */
+    int32_t query_tiles[MAX_LANE_SETS][DWORDS][VECTOR]; /* lane set s's chunk c at s * chunks + c: [dword][lane] */
+    int32_t products[MAX_CHUNKS * 4][VECTOR][VECTOR];  /* a tile product's int32 sums, a row a vector */
+    __m512i weight_rows[VECTOR];                      /* a lane's 8-bit weights of the block, a row */
 } ItemState;
 
 /* The block's scores and value scales of the lanes' heads, transposed so that token t's are
@@ -416,6 +438,98 @@ static inline void store_head(const __m512 *sums, float total, int head_dim, uin
     }
 }
 
+#if HAS_TILES
+/* Tile registers of the products on tiles: a score product's sums (tokens x lanes), its keys (16
+ * rows of the pool, 64 bytes of one chunk each) and queries (a chunk's 16 dwords x the lanes);
+ * then the weights (lanes x the block's tokens), two value products' sums (lanes x 16 dims) and
+ * a value operand (the block's 4-token groups x 16 dims). */
+#define SCORE_SUMS 0
+#define KEY_ROWS 1
+#define QUERY_COLUMNS 2
+#define WEIGHT_ROWS 3
+#define VALUE_SUMS 4
+#define NEXT_VALUE_SUMS 5
+#define VALUE_ROWS 6
+
+static void configure_int8_tiles(int block_size) {
+    TileConfig config = {.palette_id = 1};
+    for (int t = 0; t < 7; t++) config.rows[t] = VECTOR, config.bytes_per_row[t] = 64;
+    config.bytes_per_row[WEIGHT_ROWS] = (uint16_t)block_size;
+    config.rows[VALUE_ROWS] = (uint8_t)(block_size / 4);
+    _tile_loadconfig(&config);
+}
+
+/* The lanes' queries as the score product's B operands, per chunk: row j holds each lane's dword j. */
+static void lane_query_tiles(const Lanes *lanes, const Queries *queries, const int chunks,
+                             int32_t (*tiles)[DWORDS][VECTOR]) {
+    for (int c = 0; c < chunks; c++) {
+        __m512i rows[VECTOR];
+        for (int i = 0; i < VECTOR; i++)
+            rows[i] = i < lanes->n ? _mm512_loadu_si512(queries->dwords[lanes->heads[i] * chunks + c]) : _mm512_setzero_si512();
+        transpose_dwords(rows);
+        for (int j = 0; j < DWORDS; j++) _mm512_storeu_si512(tiles[c][j], rows[j]);
+    }
+}
+
+/* lane_scores on tiles, for lanes of one kv head whose block rows start at `keys`: per 16 tokens,
+ * the keys as they lie times the lanes' queries (exact int8 dot products, tokens x lanes), then
+ * times each lane's query scale and each token's key scale, as lane_scores computes them; the
+ * value scales are the kv head's. */
+static inline __attribute__((always_inline)) void tile_scores(const Item *item, const Lanes *lanes,
+                                                              int32_t (*query_tiles)[DWORDS][VECTOR], const int8_t *keys,
+                                                              const int chunks, ItemState *state) {
+    const Layouts *l = &state->layouts;
+    _Alignas(64) float query_scales[VECTOR];
+    for (int i = 0; i < VECTOR; i++) query_scales[i] = i < lanes->n ? state->queries.scales[lanes->heads[i]] : 0.0f;
+    const __m512 scales = _mm512_load_ps(query_scales);
+    const float *key_scale = (const float *)key_scales(l, lanes->kvs[0]), *value_scale = value_scales(l, lanes->kvs[0]);
+    for (int first = 0; first < l->count; first += VECTOR) {
+        _tile_zero(SCORE_SUMS);
+        for (int c = 0; c < chunks; c++) {
+            _tile_loadd(KEY_ROWS, keys + first * item->token_stride + c * CHUNK, item->token_stride);
+            _tile_loadd(QUERY_COLUMNS, query_tiles[c], 64);
+            _tile_dpbssd(SCORE_SUMS, KEY_ROWS, QUERY_COLUMNS);
+        }
+        _tile_stored(SCORE_SUMS, state->products[0], 64);
+        for (int t = 0; t < VECTOR && first + t < l->count; t++) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(state->products[0][t]));
+            state->scores[first + t] = _mm512_mul_ps(_mm512_mul_ps(dot, scales), _mm512_set1_ps(key_scale[first + t]));
+            state->scales[first + t] = _mm512_set1_ps(value_scale[first + t]);
+        }
+    }
+}
+
+/* add_values on tiles for every lane: the lanes' 8-bit weights (lanes x tokens) times the block's
+ * value rows (4 tokens x 16 dims a row), 32 dims at a time; the same int32 sums as add_values',
+ * scaled into each lane's sums as it does. */
+static inline __attribute__((always_inline)) void tile_values(const Lanes *lanes, const int chunks, ItemState *state) {
+    const Layouts *l = &state->layouts;
+    const int quads = (l->count + 3) / 4;
+    for (int q = 0; q < VECTOR; q++) state->weight_rows[q] = q < quads ? state->words[q] : _mm512_setzero_si512();
+    transpose_dwords(state->weight_rows); /* row i: lane i's weights, token by token */
+    _tile_loadd(WEIGHT_ROWS, state->weight_rows, 64);
+    for (int c = 0; c < chunks; c++)
+        for (int j = 0; j < 4; j += 2) {
+            const __m512i *values = value_vectors(l, lanes->kvs[0], c, 0);
+            _tile_zero(VALUE_SUMS);
+            _tile_zero(NEXT_VALUE_SUMS);
+            _tile_loadd(VALUE_ROWS, values + j, 4 * 64);
+            _tile_dpbusd(VALUE_SUMS, WEIGHT_ROWS, VALUE_ROWS);
+            _tile_loadd(VALUE_ROWS, values + j + 1, 4 * 64);
+            _tile_dpbusd(NEXT_VALUE_SUMS, WEIGHT_ROWS, VALUE_ROWS);
+            _tile_stored(VALUE_SUMS, state->products[c * 4 + j], 64);
+            _tile_stored(NEXT_VALUE_SUMS, state->products[c * 4 + j + 1], 64);
+        }
+    for (int i = 0; i < lanes->n; i++) {
+        __m512 *sums = state->sums + lanes->heads[i] * chunks * 4;
+        const __m512 step = _mm512_set1_ps(state->steps[i]), correction = _mm512_set1_ps(state->corrections[i]);
+        for (int k = 0; k < chunks * 4; k++)
+            sums[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(state->products[k][i])), step,
+                                      _mm512_mul_ps(sums[k], correction));
+    }
+}
+#endif
+
 /* Positions [from_block * block_size, context) of the sequence with `table`, attended by the
  * query heads of the item's members first_member .. end_member - 1, block by block: every kv
  * head's rows of a block laid out once (a token's heads share lines, read once), then the heads
@@ -426,15 +540,23 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
                                                                    int end_member, const int chunks, ItemState *state) {
     const int row_bytes = item->head_dim + SCALE_BYTES, heads = item->kv_heads * item->group;
     const int num_heads = heads * (end_member - first_member);
-    Lanes all[ITEM_HEAD_CHUNKS / VECTOR + 1];
+    /* a kv head's heads fill lanes of their own on tiles where they fill a set; else sets pack them */
+    const int on_tiles = state->tiles && (end_member - first_member) * item->group >= VECTOR;
+    Lanes all[MAX_LANE_SETS];
     int num_sets = 0;
-    for (int h = 0, i = 0; h < item->kv_heads; h++)
+    for (int h = 0, i = 0; h < item->kv_heads; h++) {
+        if (on_tiles && i % VECTOR) i += VECTOR - i % VECTOR;
         for (int m = first_member; m < end_member; m++)
             for (int g = 0; g < item->group; g++, i++) {
                 Lanes *lanes = &all[i / VECTOR];
                 lanes->heads[i % VECTOR] = m * heads + h * item->group + g, lanes->kvs[i % VECTOR] = h;
-                lanes->n = i % VECTOR + 1, num_sets = i / VECTOR + 1;
+                lanes->n = i % VECTOR + 1, lanes->on_tiles = on_tiles, num_sets = i / VECTOR + 1;
             }
+    }
+#if HAS_TILES
+    for (int s = 0; s < num_sets && on_tiles; s++)
+        lane_query_tiles(&all[s], &state->queries, chunks, state->query_tiles + s * chunks);
+#endif
     for (int start = from_block * item->block_size; start < context; start += item->block_size) {
         state->layouts.count = context - start < item->block_size ? context - start : item->block_size;
         const int64_t first_byte = (int64_t)table[start / item->block_size] * item->block_size * item->token_stride;
@@ -444,8 +566,18 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
         const int lines = (int)((ahead.bytes / 64 + num_heads) / num_heads); /* one fetch_ahead per head */
         for (int h = 0; h < item->kv_heads; h++)
             lay_out_block(item, item->k_cache + first_byte + h * row_bytes, item->v_cache + first_byte + h * row_bytes,
-                          chunks, h, &state->layouts);
+                          chunks, h, on_tiles, &state->layouts);
         for (int s = 0; s < num_sets; s++) {
+#if HAS_TILES
+            if (on_tiles) {
+                tile_scores(item, &all[s], state->query_tiles + s * chunks,
+                            item->k_cache + first_byte + all[s].kvs[0] * row_bytes, chunks, state);
+                lane_weights(&all[s], state);
+                tile_values(&all[s], chunks, state);
+                fetch_ahead(&ahead, lines * all[s].n);
+                continue;
+            }
+#endif
             lane_scores(&all[s], chunks, state);
             lane_weights(&all[s], state);
             for (int i = 0; i < all[s].n; i++) {
@@ -593,7 +725,13 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
 #pragma omp atomic write
             result = STATUS_NO_MEMORY;
         }
-        if (state) state->layouts = layouts, state->layouts.vectors = vectors;
+        if (state) state->layouts = layouts, state->layouts.vectors = vectors, state->tiles = 0;
+#if HAS_TILES
+        if (state && block_size % VECTOR == 0 && head_dim % CHUNK == 0 && amx_tiles_granted()) {
+            configure_int8_tiles(block_size);
+            state->tiles = 1;
+        }
+#endif
 #pragma omp for schedule(dynamic)
         for (int i = 0; i < num_works; i++) {
             if (state == NULL) continue;
@@ -602,6 +740,9 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
                                num_kv_heads * row_bytes, head_dim, block_size, group, work->kv_heads, scale};
             attend(&item, work, block_tables, max_blocks, context_lens, num_heads, q, out, state);
         }
+#if HAS_TILES
+        if (state && state->tiles) _tile_release();
+#endif
         if (state) free(state->layouts.vectors);
         free(state);
     }
