@@ -50,8 +50,10 @@ def supports_prefill(dtype: torch.dtype, head_dim: int) -> bool:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
                             scale: float, out: torch.Tensor, variant: AttentionVariant = FULL) -> bool:
     """Causal prefill attention, windowed, soft-capped and with sinks where `variant` says; the
-    chunks of a group attend their prefix together. Does not run where `supports_prefill` refuses
-    q's dtype or head size, or for a tensor that is not contiguous."""
+    chunks of a group attend their prefix together. Over an int8 pool (`kv_int8`'s rows) each row
+    is dequantized as it is staged, as `kv_int8.dequantize` rounds it to bf16: the same attention
+    as over those rows dequantized. Does not run where `supports_prefill` refuses q's dtype or head
+    size, or for a tensor that is not contiguous."""
     library = _load_kernel()
     return run_c_kernel(library and library.bg_amx_prefill_attention, "amx paged_prefill_attention", q, k_cache,
                         v_cache, seqs, scale, out, variant)

@@ -439,14 +439,17 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: 
     """"reference", "native", or "auto" (native with the device's fastest decode and prefill
     kernels for `dtype` and `head_dim`, over a pool of `cache_dtype`, default `dtype`; an int8
     pool's decode rows through `kv_int8`'s kernel on a CPU, the Triton kernel on CUDA, its prefill
-    chunks through the float pool's prefill kernels on the blocks they read, dequantized, else SDPA)."""
+    chunks through the AMX prefill kernel reading the int8 rows, else the float pool's prefill
+    kernels on the blocks they read, dequantized, else SDPA)."""
     if name == "reference":
         return ReferenceBackend()
     if name not in ("auto", "native"):
         raise ValueError(f"attention_backend must be 'auto', 'native' or 'reference', got {name!r}")
     if cache_dtype == torch.int8:
         float_backend = make_backend(name, device, dtype, head_dim)
-        prefill = kv_int8.over_dequantized_blocks(float_backend.prefill)
+        prefill = float_backend.prefill
+        if prefill is not amx_attention.paged_prefill_attention:  # which stages an int8 pool's rows itself
+            prefill = kv_int8.over_dequantized_blocks(prefill)
         variant_prefills = tuple(map(kv_int8.over_dequantized_blocks, float_backend.variant_prefills))
         if device.type == "cuda" and float_backend.captures_decode:  # the Triton kernel reads int8 pools too
             return NativeBackend(float_backend.decode, prefill, variant_prefills=variant_prefills,

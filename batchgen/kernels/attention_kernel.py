@@ -34,6 +34,7 @@ from batchgen.kernels.kernel_status import check_status
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # attention_kernel.h's DTYPE_*
+INT8_POOL_CODES = {torch.bfloat16: 3}  # DTYPE_BF16_INT8_POOL: these queries over an int8 pool
 SCALE_BYTES = 4  # an int8 pool row's float32 scale, after its values
 C_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
               + [ctypes.c_int] * 2)
@@ -153,12 +154,13 @@ def c_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                 out: torch.Tensor, variant: AttentionVariant = FULL) -> tuple:
     """A call's arguments in ``csrc/attention_kernel.h``'s order (`C_ARGTYPES`), on
     ``torch.get_num_threads()`` threads; `variant.sinks` must be a contiguous float32 CPU tensor."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    dtype = INT8_POOL_CODES[q.dtype] if k_cache.dtype == torch.int8 else DTYPE_CODES[q.dtype]
     return (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
             seqs.context_lens.data_ptr(), _pointer(seqs.query_starts), _pointer(seqs.query_lens),
-            _pointer(seqs.groups), len(seqs.context_lens), seqs.num_groups, q.shape[1], num_kv_heads, head_dim,
-            num_blocks, block_size, seqs.block_tables.shape[1], scale, variant.window, variant.softcap,
-            _pointer(variant.sinks), DTYPE_CODES[q.dtype], torch.get_num_threads())
+            _pointer(seqs.groups), len(seqs.context_lens), seqs.num_groups, q.shape[1], num_kv_heads,
+            head_dim_of(k_cache), num_blocks, block_size, seqs.block_tables.shape[1], scale, variant.window,
+            variant.softcap, _pointer(variant.sinks), dtype, torch.get_num_threads())
 
 
 def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k_cache: torch.Tensor,
@@ -171,5 +173,7 @@ def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k
     check_inputs(q, k_cache, v_cache, seqs, out)
     sinks = [] if variant.sinks is None else [variant.sinks]
     if not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors(), *sinks)):
+        return False
+    if k_cache.dtype == torch.int8 and q.dtype not in INT8_POOL_CODES:
         return False
     return check_status(name, entry(*c_arguments(q, k_cache, v_cache, seqs, scale, out, variant)))

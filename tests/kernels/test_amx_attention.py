@@ -13,7 +13,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step import ScheduledSeq, ScheduledStep
-from batchgen.kernels import amx_attention, cpu_attention
+from batchgen.kernels import amx_attention, cpu_attention, kv_int8
 from batchgen.kernels.attention import AttentionMetadata, NativeBackend, ReferenceBackend, make_backend
 from batchgen.kernels.attention_kernel import FULL, AttentionVariant, PagedSeqs
 from batchgen.sampling_params import SamplingParams
@@ -214,6 +214,23 @@ def test_larger_heads_match_the_reference(head_dim, variant):
     expected = reference(*inputs, context_lens, query_lens, softcap=variant.softcap, window=variant.window,
                          sinks=variant.sinks)
     assert bf16_error(got, expected) < 2
+
+
+@pytest.mark.parametrize("head_dim, variant", [(HEAD_DIM, FULL), (128, AttentionVariant(window=40, softcap=0.5))])
+def test_an_int8_pool_is_attended_as_its_rows_dequantized(head_dim, variant):
+    # each row dequantized as it is staged: the same bf16 rows as kv_int8.dequantize gives, so
+    # the same output, bit for bit; a group's prefix too
+    context_lens, query_lens = [300, 97, 41, 40, 45, 60], [300, 27, 1, 8, 13, 28]
+    shared = [(3, 6, 32)]
+    q, k_cache, v_cache, tables = paged_step(context_lens, query_lens, shared, num_heads=4, num_kv_heads=2,
+                                             head_dim=head_dim)
+    int8_k, int8_v = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
+    got = attend(q, int8_k, int8_v, tables, context_lens, query_lens, groups=shared, variant=variant)
+    dequantized = kv_int8.dequantize(int8_k, torch.bfloat16), kv_int8.dequantize(int8_v, torch.bfloat16)
+    expected = attend(q, *dequantized, tables, context_lens, query_lens, groups=shared, variant=variant)
+    assert torch.equal(got, expected)
+    assert make_backend("auto", torch.device("cpu"), torch.bfloat16, head_dim, torch.int8).prefill is \
+        amx_attention.paged_prefill_attention
 
 
 @pytest.mark.parametrize("groups, message", [

@@ -74,7 +74,7 @@
 typedef struct {
     const uint16_t *q;
     uint16_t *out;
-    const uint16_t *k_cache, *v_cache;
+    const char *k_cache, *v_cache; /* bf16 rows, or int8 rows with their scale where int8_rows */
     const int32_t *block_tables, *context_lens, *query_starts, *query_lens;
     int64_t *unit_rows; /* [num_seqs] each sequence's first row among its unit's rows */
     int num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
@@ -83,6 +83,7 @@ typedef struct {
     int window;       /* 0: none; else a row at position t sees positions t - window + 1 .. t */
     const float *sinks; /* NULL: none; else [num_heads] one more logit per query head, no value with it */
     int head_dim;       /* a multiple of HEAD_DIM, at most MAX_HEAD_DIM */
+    int int8_rows;      /* the pool holds kv_int8's rows: head_dim int8 values, then their float32 scale */
 } Problem;
 
 /* The bytes of a staged key block: head_dim / 16 K tiles (key half x 32 dims), then head_dim / 16
@@ -149,11 +150,33 @@ static inline __m512 exp2_16(__m512 x) {
 
 /* The pool row of position `pos` of the sequence with `table`, kv head `kv_head`; NULL where the
  * block id is outside the pool. */
-static const uint16_t *pool_row(const Problem *p, const uint16_t *cache, const int32_t *table, int pos, int kv_head) {
+static const char *pool_row(const Problem *p, const char *cache, const int32_t *table, int pos, int kv_head) {
     int32_t block = table[pos / p->block_size];
     if (block < 0 || block >= p->num_blocks) return NULL;
     int64_t slot = (int64_t)block * p->block_size + pos % p->block_size;
-    return cache + (slot * p->num_kv_heads + kv_head) * p->head_dim;
+    int64_t row_bytes = p->int8_rows ? p->head_dim + SCALE_BYTES : 2 * p->head_dim;
+    return cache + (slot * p->num_kv_heads + kv_head) * row_bytes;
+}
+
+/* 16 int8 values of a row times its scale, rounded to bf16 (as kv_int8's dequantize rounds them). */
+static inline __m256i dequantized16(const int8_t *values, __m512 scale) {
+    __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)values)));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, scale));
+}
+
+/* A row's dims d .. d + 15 as bf16 (zero for a NULL row). */
+static inline __m256i row_dims16(const Problem *p, const char *row, int d) {
+    if (row == NULL) return _mm256_setzero_si256();
+    if (!p->int8_rows) return _mm256_loadu_si256((const __m256i *)(row + 2 * d));
+    float scale;
+    memcpy(&scale, row + p->head_dim, sizeof scale);
+    return dequantized16((const int8_t *)row + d, _mm512_set1_ps(scale));
+}
+
+/* A row's dims d .. d + 31 as bf16 (zero for a NULL row). */
+static inline __m512i row_dims32(const Problem *p, const char *row, int d) {
+    if (row == NULL || !p->int8_rows) return row ? _mm512_loadu_si512(row + 2 * d) : _mm512_setzero_si512();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(row_dims16(p, row, d)), row_dims16(p, row, d + 16), 1);
 }
 
 /* r transposed as a 16 x 16 matrix of 32-bit elements: at each step s, the off-diagonal s x s
@@ -187,7 +210,7 @@ static int stage_segment(const Problem *p, const int32_t *table, int first, int 
     }
     const int dim_tiles = p->head_dim / 32;
     for (int k0 = 0; k0 < n; k0 += BLOCK_KEYS, dst += key_block_bytes(p)) {
-        const uint16_t *k_rows[BLOCK_KEYS], *v_rows[BLOCK_KEYS];
+        const char *k_rows[BLOCK_KEYS], *v_rows[BLOCK_KEYS];
         for (int i = 0; i < BLOCK_KEYS; i++) {
             k_rows[i] = v_rows[i] = NULL;
             if (k0 + i >= n) continue;
@@ -198,19 +221,15 @@ static int stage_segment(const Problem *p, const int32_t *table, int first, int 
         for (int half = 0; half < 2; half++)     /* keys 16 half .. + 15 */
             for (int dims = 0; dims < dim_tiles; dims++) { /* dims 32 dims .. + 31 */
                 __m512i r[16];
-                for (int i = 0; i < 16; i++) {
-                    const uint16_t *row = k_rows[16 * half + i];
-                    r[i] = row ? _mm512_loadu_si512(row + 32 * dims) : _mm512_setzero_si512();
-                }
+                for (int i = 0; i < 16; i++) r[i] = row_dims32(p, k_rows[16 * half + i], 32 * dims);
                 transpose16(r);
                 char *tile = dst + (half * dim_tiles + dims) * TILE_BYTES;
                 for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 64 * i, r[i]);
             }
         for (int pair = 0; pair < 16; pair++) {
-            const uint16_t *a = v_rows[2 * pair], *b = v_rows[2 * pair + 1];
+            const char *a = v_rows[2 * pair], *b = v_rows[2 * pair + 1];
             for (int j = 0; j < p->head_dim / 16; j++) {
-                __m256i first_key = a ? _mm256_loadu_si256((const __m256i *)(a + 16 * j)) : _mm256_setzero_si256();
-                __m256i second_key = b ? _mm256_loadu_si256((const __m256i *)(b + 16 * j)) : _mm256_setzero_si256();
+                __m256i first_key = row_dims16(p, a, 16 * j), second_key = row_dims16(p, b, 16 * j);
                 __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first_key), second_key, 1);
                 _mm512_store_si512(dst + value_offset(p) + j * TILE_BYTES + 64 * pair,
                                    _mm512_permutexvar_epi16(interleave_index, both));
@@ -1065,13 +1084,13 @@ int bg_amx_attention_available(void) { return amx_tiles_granted(); }
  * hold the same blocks for positions [0, prefix), prefix >= 1, and every query after it. Returns
  * a STATUS_* code; on STATUS_OK every element of every query row of `out` is written. */
 int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
-    if (dtype != DTYPE_BF16 || head_dim % HEAD_DIM || head_dim < HEAD_DIM || head_dim > MAX_HEAD_DIM ||
-        !amx_tiles_granted())
+    if ((dtype != DTYPE_BF16 && dtype != DTYPE_BF16_INT8_POOL) || head_dim % HEAD_DIM || head_dim < HEAD_DIM ||
+        head_dim > MAX_HEAD_DIM || !amx_tiles_granted())
         return STATUS_UNSUPPORTED;
-    Problem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+    Problem p = {(const uint16_t *)q, (uint16_t *)out, (const char *)k_cache, (const char *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
                  block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f,
-                 window, sinks, head_dim};
+                 window, sinks, head_dim, dtype == DTYPE_BF16_INT8_POOL};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     if (units == NULL || p.unit_rows == NULL) {

@@ -4,7 +4,9 @@
  * (amx_attention.c). attention_kernel.py's c_arguments passes a call's tensors in this order.
  *
  *   out, q            [rows, num_heads, head_dim], contiguous, `dtype`
- *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous, `dtype`
+ *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous, `dtype`; with
+ *                     DTYPE_BF16_INT8_POOL (bf16 q and out) an int8 pool (kv_int8.py): each row
+ *                     head_dim int8 values, then the SCALE_BYTES of their float32 scale
  *   block_tables      [num_seqs, max_blocks] int32; context_lens [num_seqs] int32
  *   query_starts, query_lens  [num_seqs] int32: prefill chunk s's queries are rows
  *                     query_starts[s] .. + query_lens[s], the last query_lens[s] of its
@@ -25,7 +27,7 @@
  *   block_tables[s][p / block_size] * block_size + p % block_size,
  * and query head h reads kv head h / (num_heads / num_kv_heads). A kernel returns a STATUS_*
  * code (status.h); on STATUS_OK every element of every query row of `out` is written, on
- * STATUS_UNSUPPORTED nothing is.
+ * STATUS_UNSUPPORTED nothing is (a kernel without code for a dtype, an int8 pool's among them).
  */
 #ifndef BATCHGEN_ATTENTION_KERNEL_H
 #define BATCHGEN_ATTENTION_KERNEL_H
@@ -34,7 +36,9 @@
 
 #include "status.h"
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_BF16_INT8_POOL = 3 };
+
+#define SCALE_BYTES 4 /* an int8 pool row's float32 scale, after its values */
 
 /* The parameters of every attention kernel, in the order described above: a kernel is defined
  * as `int name(ATTENTION_KERNEL_PARAMS) { ... }`. */

@@ -56,10 +56,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "status.h"
+#include "attention_kernel.h"
 #include "vector_math.h"
 
-#define SCALE_BYTES 4
 #define MAX_GROUP 16                      /* query heads per kv head */
 #define ITEM_HEAD_CHUNKS 128              /* query heads x 64-dim chunks one work item attends for */
 #define MAX_HEAD_DIM 256
