@@ -194,9 +194,9 @@ static inline void interleave_rows(const __m512i rows[4], __m512i out[4]) {
 
 /* Where one block's rows of each of an item's kv heads lie once laid out for the products, every
  * query head that attends them reading the same layout: per kv head `stride` vectors, holding
- * - keys: per 16-token group and 64-dim chunk, the 16 rows (sign bits flipped; zero rows past the
- *   block's count) transposed as 16 x 16 dwords, so that lane t of vector j holds token t's bytes
- *   4 j .. 4 j + 3;
+ * - keys (for VNNI's score products; tiles read them as they lie in the pool): per 16-token group
+ *   and 64-dim chunk, the 16 rows (sign bits flipped; zero rows past the block's count) transposed
+ *   as 16 x 16 dwords, so that lane t of vector j holds token t's bytes 4 j .. 4 j + 3;
  * - key scales: per 16-token group, each token's;
  * - values: per chunk and 4 tokens, the 4 rows interleaved (interleave_rows);
  * - value scales: per 16-token group, each token's (0 past the count). */
