@@ -562,23 +562,32 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
         Ahead ahead = {0};
         if (start + FETCH_DISTANCE * item->block_size < context)
             ahead = plan_block(item, table[start / item->block_size + FETCH_DISTANCE]);
-        const int lines = (int)((ahead.bytes / 64 + num_heads) / num_heads); /* one fetch_ahead per head */
-        for (int h = 0; h < item->kv_heads; h++)
+        /* spread over the block's work: after each kv head's layout, each set's scores and softmax
+         * step, and each head's values */
+        const int calls = item->kv_heads + 2 * num_sets + num_heads;
+        const int lines = (int)((ahead.bytes / 64 + calls - 1) / calls);
+        for (int h = 0; h < item->kv_heads; h++) {
             lay_out_block(item, item->k_cache + first_byte + h * row_bytes, item->v_cache + first_byte + h * row_bytes,
                           chunks, h, on_tiles, &state->layouts);
+            fetch_ahead(&ahead, lines);
+        }
         for (int s = 0; s < num_sets; s++) {
 #if HAS_TILES
             if (on_tiles) {
                 tile_scores(item, &all[s], state->query_tiles + s * chunks,
                             item->k_cache + first_byte + all[s].kvs[0] * row_bytes, chunks, state);
+                fetch_ahead(&ahead, lines);
                 lane_weights(&all[s], state);
+                fetch_ahead(&ahead, lines);
                 tile_values(&all[s], chunks, state);
                 fetch_ahead(&ahead, lines * all[s].n);
                 continue;
             }
 #endif
             lane_scores(&all[s], chunks, state);
+            fetch_ahead(&ahead, lines);
             lane_weights(&all[s], state);
+            fetch_ahead(&ahead, lines);
             for (int i = 0; i < all[s].n; i++) {
                 add_values(&all[s], i, chunks, state);
                 fetch_ahead(&ahead, lines);
