@@ -35,7 +35,7 @@ import functools
 import torch
 
 from batchgen.kernels.attention_kernel import (FULL, SCALE_BYTES, AttentionKernel, AttentionVariant, PagedSeqs,
-                                               head_dim_of)
+                                               check_inputs, head_dim_of)
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.kernel_status import check_status
 
@@ -135,6 +135,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if (library is None or not variant.is_full or not is_int8(k_cache) or q.dtype != torch.bfloat16
             or not all(t.is_cpu and t.is_contiguous() for t in tensors)):
         return False
+    check_inputs(q, k_cache, v_cache, seqs, out)
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     status = library.bg_kv_int8_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),

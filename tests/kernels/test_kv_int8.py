@@ -203,6 +203,9 @@ def test_shared_prefix_groups_read_once_give_each_member_its_output_alone(num_he
     bad = PagedSeqs(tables, lens, torch.tensor([[1, 4, int(lens[1:4].min())]], dtype=torch.int32))
     with pytest.raises(ValueError, match="shared-prefix group"):
         kv_int8.paged_decode_attention(q, pool[0], pool[1], bad, 0.125, cascade)
+    with pytest.raises(ValueError, match="groups must be int32"):
+        kv_int8.paged_decode_attention(q, pool[0], pool[1], PagedSeqs(tables, lens, torch.tensor(groups)), 0.125,
+                                       cascade)
 
 
 @needs_kernel
