@@ -77,7 +77,9 @@ def test_decode_rows_sharing_a_prefix_read_it_once_and_decode_as_apart(monkeypat
     def decode(groups_kept: bool):
         def run(q, k_cache, v_cache, seqs, *args):
             group_counts.append(seqs.num_groups)
-            return kernel(q, k_cache, v_cache, seqs if groups_kept else dataclasses.replace(seqs, groups=None), *args)
+            ran = kernel(q, k_cache, v_cache, seqs if groups_kept else dataclasses.replace(seqs, groups=None), *args)
+            assert ran  # the kernel itself, not a fallback that ignores groups
+            return ran
 
         monkeypatch.setattr(kv_int8, "paged_decode_attention", run)
         llm = LLM(bf16_model(), tokenizer=tiny_tokenizer(), kv_cache_memory=2**22, kv_cache_dtype="int8")

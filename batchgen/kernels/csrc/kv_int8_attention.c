@@ -34,7 +34,8 @@
  * so that a vector holds one token's), so it needs no reductions across lanes.
  *
  * Where the CPU has AMX-INT8 and a segment gives each kv head at least 16 query heads (a group's
- * shared blocks), each kv head's heads fill lane sets of their own, and both products run on
+ * shared blocks; a model with 16 query heads a kv head everywhere), each kv head's heads fill
+ * lane sets of their own, and both products run on
  * tiles: the block's key rows as they lie in the pool times the lanes' queries (tokens x lanes),
  * and the lanes' 8-bit weights times the interleaved value rows. They are the same exact int32
  * sums as VNNI's, so the output is the same, bit for bit.
@@ -120,7 +121,8 @@ typedef struct {
     float scales[ITEM_HEAD_CHUNKS], offsets[ITEM_HEAD_CHUNKS];
 } Queries;
 
-static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int chunks, float scale, int first_head,
+/* Query heads q[0 .. num_heads) (times `scale`) into the item's heads at, .. + num_heads - 1. */
+static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int chunks, float scale, int at,
                              Queries *queries) {
     for (int g = 0; g < num_heads; g++) {
         const uint16_t *x = q + g * head_dim;
@@ -137,9 +139,9 @@ static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int
             sum = _mm512_add_epi32(sum, rounded);
             _mm_storeu_si128((__m128i *)(values + d), _mm512_cvtsepi32_epi8(rounded));
         }
-        memcpy(queries->dwords[(first_head + g) * chunks], values, (size_t)chunks * CHUNK);
-        queries->scales[first_head + g] = absmax / 127.0f;
-        queries->offsets[first_head + g] = 128.0f * (float)_mm512_reduce_add_epi32(sum);
+        memcpy(queries->dwords[(at + g) * chunks], values, (size_t)chunks * CHUNK);
+        queries->scales[at + g] = absmax / 127.0f;
+        queries->offsets[at + g] = 128.0f * (float)_mm512_reduce_add_epi32(sum);
     }
 }
 
@@ -203,7 +205,8 @@ static inline void interleave_rows(const __m512i rows[4], __m512i out[4]) {
 typedef struct {
     __m512i *vectors;
     int64_t stride;
-    int token_groups, quads, chunks; /* of a whole block: ceil(block_size / 16), ceil(block_size / 4) */
+    int token_groups, quads, chunks; /* of a whole block: ceil(block_size / 16), ceil(block_size / 4);
+                                        64-dim chunks of a row */
     int count;                       /* the block's tokens */
 } Layouts;
 
@@ -296,11 +299,11 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Up to 16 query heads attending a block together, one a lane: their head indices and kv heads;
- * `on_tiles`: all of one kv head, their products computed on AMX-INT8 tiles. */
+/* Up to 16 query heads attending a block together, one a lane: their head indices (in the item's
+ * state) and kv heads. */
 typedef struct {
     int heads[VECTOR], kvs[VECTOR];
-    int n, on_tiles;
+    int n;
 } Lanes;
 
 /* An item's state: its queries, each query head's running softmax (the max of its scores, the
@@ -318,8 +321,8 @@ typedef struct {
     _Alignas(64) float steps[VECTOR], corrections[VECTOR];
     Layouts layouts;
     int tiles;                                        /* this thread's tiles are configured */
-    int32_t query_tiles[MAX_LANE_SETS][DWORDS][VECTOR]; /* lane set s's chunk c at s * chunks + c: [dword][lane] */
-    int32_t products[MAX_CHUNKS * 4][VECTOR][VECTOR];  /* a tile product's int32 sums, a row a vector */
+    _Alignas(64) int32_t query_tiles[MAX_LANE_SETS][DWORDS][VECTOR]; /* set s's chunk c at s * chunks + c */
+    _Alignas(64) int32_t products[MAX_CHUNKS * 4][VECTOR][VECTOR];  /* a tile product's int32 sums, a row a vector */
     __m512i weight_rows[VECTOR];                      /* a lane's 8-bit weights of the block, a row */
 } ItemState;
 
@@ -549,7 +552,7 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
             for (int g = 0; g < item->group; g++, i++) {
                 Lanes *lanes = &all[i / VECTOR];
                 lanes->heads[i % VECTOR] = m * heads + h * item->group + g, lanes->kvs[i % VECTOR] = h;
-                lanes->n = i % VECTOR + 1, lanes->on_tiles = on_tiles, num_sets = i / VECTOR + 1;
+                lanes->n = i % VECTOR + 1, num_sets = i / VECTOR + 1;
             }
     }
 #if HAS_TILES
@@ -708,7 +711,7 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
                                 int num_blocks, int block_size, int max_blocks, float scale, int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads != 0 || head_dim % VECTOR != 0
-            || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE)
+            || head_dim < VECTOR || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE)
         return STATUS_UNSUPPORTED;
     const int status = check_layout(block_tables, context_lens, num_seqs, num_blocks, block_size, max_blocks);
     if (status != STATUS_OK) return status;
@@ -717,10 +720,17 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
     if (works == NULL) return STATUS_NO_MEMORY;
     const int num_works = plan_work(block_tables, context_lens, groups, num_groups, num_seqs, num_kv_heads, group,
                                     chunks, block_size, max_blocks, num_threads, works);
-    int result = num_works < 0 ? -num_works : STATUS_OK;
+    if (num_works < 0) {
+        free(works);
+        return -num_works;
+    }
+    int result = STATUS_OK;
+#if HAS_TILES
+    const int tiles = block_size % VECTOR == 0 && head_dim % CHUNK == 0 && amx_tiles_granted();
+#endif
     const int64_t row_bytes = head_dim + SCALE_BYTES;
     int most_kv_heads = 1;
-    for (int i = 0; i < (num_works > 0 ? num_works : 0); i++)
+    for (int i = 0; i < num_works; i++)
         most_kv_heads = works[i].kv_heads > most_kv_heads ? works[i].kv_heads : most_kv_heads;
     const Layouts layouts = plan_layouts(block_size, chunks);
 #pragma omp parallel num_threads(num_threads) if (num_works > 1)
@@ -735,7 +745,7 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
         }
         if (state) state->layouts = layouts, state->layouts.vectors = vectors, state->tiles = 0;
 #if HAS_TILES
-        if (state && block_size % VECTOR == 0 && head_dim % CHUNK == 0 && amx_tiles_granted()) {
+        if (state && tiles) {
             configure_int8_tiles(block_size);
             state->tiles = 1;
         }
