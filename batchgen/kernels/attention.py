@@ -33,11 +33,11 @@ prefill chunks go through the AMX kernel (`amx_attention`, with their windows, s
 sinks too) at head_dim 64 to 256, and decode rows at head_dim 64, through the vector kernel's
 cascade where the AMX one does not apply; elsewhere on such a CPU (another head size), in
 bfloat16, a windowed layer's prefill runs on flash SDPA in bands (`window_bands`) before the C
-kernel. Over an int8 pool (`kv_int8`) decode
-rows run on `kv_int8`'s C kernel on a CPU and on the Triton kernel (cascade included) on CUDA,
-both computing on the int8 rows as stored; prefill chunks run
-on the float pool's prefill kernels over the blocks they read, dequantized, else (and decode
-rows where the int8 kernel does not run) gather the rows and dequantize them for SDPA.
+kernel. Over an int8 pool (`kv_int8`) decode rows run on `kv_int8`'s C kernel on a CPU and on
+the Triton kernel on CUDA (both with the cascade), computing on the int8 rows as stored; prefill
+chunks run on the AMX prefill kernel, which dequantizes each row as it stages it, else on the
+float pool's prefill kernels over the blocks they read, dequantized, else (and decode rows where
+the int8 kernel does not run) gather the rows and dequantize them for SDPA.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "lanes16.h"
 
 #define HEAD_DIM 64                            /* the decode's head size; the prefill's with its queries and
                                                   accumulators in tile registers */
@@ -158,24 +159,19 @@ static const char *pool_row(const Problem *p, const char *cache, const int32_t *
     return cache + (slot * p->num_kv_heads + kv_head) * row_bytes;
 }
 
-/* 16 int8 values of a row times its scale, rounded to bf16 (as kv_int8's dequantize rounds them). */
-static inline __m256i dequantized16(const int8_t *values, __m512 scale) {
-    __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)values)));
-    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, scale));
-}
-
 /* A row's dims d .. d + 15 as bf16 (zero for a NULL row). */
 static inline __m256i row_dims16(const Problem *p, const char *row, int d) {
     if (row == NULL) return _mm256_setzero_si256();
     if (!p->int8_rows) return _mm256_loadu_si256((const __m256i *)(row + 2 * d));
     float scale;
     memcpy(&scale, row + p->head_dim, sizeof scale);
-    return dequantized16((const int8_t *)row + d, _mm512_set1_ps(scale));
+    return dequantize16((const int8_t *)row + d, _mm512_set1_ps(scale));
 }
 
 /* A row's dims d .. d + 31 as bf16 (zero for a NULL row). */
 static inline __m512i row_dims32(const Problem *p, const char *row, int d) {
-    if (row == NULL || !p->int8_rows) return row ? _mm512_loadu_si512(row + 2 * d) : _mm512_setzero_si512();
+    if (row == NULL) return _mm512_setzero_si512();
+    if (!p->int8_rows) return _mm512_loadu_si512(row + 2 * d);
     return _mm512_inserti64x4(_mm512_castsi256_si512(row_dims16(p, row, d)), row_dims16(p, row, d + 16), 1);
 }
 
@@ -1010,12 +1006,8 @@ static int plan_decode_items(const DecodeProblem *p, int num_seqs, const int32_t
             continue;
         }
         int end = groups[3 * g + 1], prefix = groups[3 * g + 2];
-        if (end > num_seqs || end - seq < 2 || prefix < 1) return -STATUS_BAD_GROUP;
-        for (int member = seq; member < end; member++)
-            if (prefix >= p->context_lens[member] || memcmp(p->block_tables + (int64_t)member * p->max_blocks,
-                                                            p->block_tables + (int64_t)seq * p->max_blocks,
-                                                            sizeof(int32_t) * ((prefix + bs - 1) / bs)))
-                return -STATUS_BAD_GROUP;
+        if (!decode_group_holds(p->block_tables, p->context_lens, num_seqs, bs, p->max_blocks, seq, end, prefix))
+            return -STATUS_BAD_GROUP;
         for (int first = seq; first < end; first += per_item)
             for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
                 items[num_items++] = (DecodeItem){first, end - first < per_item ? end - first : per_item, prefix,

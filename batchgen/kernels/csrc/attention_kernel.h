@@ -33,6 +33,7 @@
 #define BATCHGEN_ATTENTION_KERNEL_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "status.h"
 
@@ -50,6 +51,19 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_BF16_INT8_POOL = 3 };
         int num_threads
 
 typedef int AttentionKernel(ATTENTION_KERNEL_PARAMS);
+
+/* Whether decode group (first, end, prefix) keeps its invariant: at least two members, each
+ * holding the first member's blocks for positions [0, prefix) and a position past them. */
+static inline int decode_group_holds(const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
+                                     int block_size, int max_blocks, int first, int end, int prefix) {
+    if (end > num_seqs || end - first < 2 || prefix < 1) return 0;
+    for (int member = first; member < end; member++)
+        if (prefix >= context_lens[member] ||
+            memcmp(block_tables + (int64_t)member * max_blocks, block_tables + (int64_t)first * max_blocks,
+                   sizeof(int32_t) * (size_t)((prefix + block_size - 1) / block_size)))
+            return 0;
+    return 1;
+}
 
 AttentionKernel bg_paged_decode_attention, bg_paged_prefill_attention; /* paged_attention.c */
 AttentionKernel bg_amx_decode_attention, bg_amx_prefill_attention;     /* amx_attention.c */

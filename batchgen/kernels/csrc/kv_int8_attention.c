@@ -69,6 +69,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "lanes16.h"
+
 #define VECTOR 16
 #define CHUNK 64                          /* int8 values a vector */
 #define MAX_CHUNKS (MAX_HEAD_DIM / CHUNK)
@@ -86,10 +88,6 @@
 #else
 #define HAS_TILES 0
 #endif
-
-static inline __m512 bf16_vector(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
 
 static inline float row_scale(const int8_t *row, int head_dim) {
     float scale;
@@ -128,13 +126,13 @@ static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int
         const uint16_t *x = q + g * head_dim;
         __m512 peak = _mm512_setzero_ps();
         for (int d = 0; d < head_dim; d += VECTOR)
-            peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_mul_ps(bf16_vector(x + d), _mm512_set1_ps(scale))));
+            peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_mul_ps(load_bf16x16(x + d, 0xffff), _mm512_set1_ps(scale))));
         const float absmax = _mm512_reduce_max_ps(peak);
         const __m512 inverse = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
         int8_t values[MAX_CHUNKS * CHUNK] = {0};
         __m512i sum = _mm512_setzero_si512();
         for (int d = 0; d < head_dim; d += VECTOR) {
-            const __m512 row = _mm512_mul_ps(bf16_vector(x + d), _mm512_set1_ps(scale));
+            const __m512 row = _mm512_mul_ps(load_bf16x16(x + d, 0xffff), _mm512_set1_ps(scale));
             const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(row, inverse)); /* nearest even */
             sum = _mm512_add_epi32(sum, rounded);
             _mm_storeu_si128((__m128i *)(values + d), _mm512_cvtsepi32_epi8(rounded));
@@ -383,6 +381,12 @@ static inline void lane_weights(const Lanes *lanes, ItemState *state) {
     for (int i = 0; i < lanes->n; i++) state->max[lanes->heads[i]] = maxes[i], state->total[lanes->heads[i]] = totals[i];
 }
 
+/* A head's float32 sums times `correction`, plus a block's int32 sums times `step`: the one update
+ * of both products' paths, so that they give the same bits. */
+static inline __m512 rescaled(__m512 sums, __m512i block_sums, __m512 step, __m512 correction) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums), step, _mm512_mul_ps(sums, correction));
+}
+
 /* Lane i's head's sums (sums[c * 4 + j] lane 4 L + i': dimension 64 c + 16 L + 4 j + i') times
  * its correction, plus its kv head's value rows of the block times its 8-bit weights. */
 static inline __attribute__((always_inline)) void add_values(const Lanes *lanes, int i, const int chunks,
@@ -398,8 +402,7 @@ static inline __attribute__((always_inline)) void add_values(const Lanes *lanes,
             const __m512i *values = value_vectors(l, lanes->kvs[i], c, quad);
             for (int j = 0; j < 4; j++) block_sums[j] = _mm512_dpbusd_epi32(block_sums[j], units, values[j]);
         }
-        for (int j = 0; j < 4; j++)
-            sums[c * 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums[j]), step, _mm512_mul_ps(sums[c * 4 + j], correction));
+        for (int j = 0; j < 4; j++) sums[c * 4 + j] = rescaled(sums[c * 4 + j], block_sums[j], step, correction);
     }
 }
 
@@ -526,8 +529,7 @@ static inline __attribute__((always_inline)) void tile_values(const Lanes *lanes
         __m512 *sums = state->sums + lanes->heads[i] * chunks * 4;
         const __m512 step = _mm512_set1_ps(state->steps[i]), correction = _mm512_set1_ps(state->corrections[i]);
         for (int k = 0; k < chunks * 4; k++)
-            sums[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(state->products[k][i])), step,
-                                      _mm512_mul_ps(sums[k], correction));
+            sums[k] = rescaled(sums[k], _mm512_load_si512(state->products[k][i]), step, correction);
     }
 }
 #endif
@@ -640,7 +642,6 @@ static void attend(const Item *item, const Work *work, const int32_t *block_tabl
     else attend_shape(item, work, block_tables, max_blocks, context_lens, num_heads, q, out, chunks, state);
 }
 
-
 static int check_layout(const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int num_blocks,
                         int block_size, int max_blocks) {
     for (int s = 0; s < num_seqs; s++) {
@@ -652,19 +653,6 @@ static int check_layout(const int32_t *block_tables, const int32_t *context_lens
         }
     }
     return STATUS_OK;
-}
-
-/* Whether group (first, end, prefix) keeps its invariants: at least two members, each holding
- * the first member's blocks for positions [0, prefix) and a position past them. */
-static int is_group(const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int block_size,
-                    int max_blocks, int first, int end, int prefix) {
-    if (end > num_seqs || end - first < 2 || prefix < 1) return 0;
-    for (int member = first; member < end; member++)
-        if (prefix >= context_lens[member] ||
-            memcmp(block_tables + (int64_t)member * max_blocks, block_tables + (int64_t)first * max_blocks,
-                   sizeof(int32_t) * (size_t)((prefix + block_size - 1) / block_size)))
-            return 0;
-    return 1;
 }
 
 /* The work items (as many as returned, into `works`, which holds num_seqs * num_kv_heads): a
@@ -690,7 +678,7 @@ static int plan_work(const int32_t *block_tables, const int32_t *context_lens, c
             continue;
         }
         const int end = groups[3 * g + 1], prefix = groups[3 * g + 2];
-        if (!is_group(block_tables, context_lens, num_seqs, block_size, max_blocks, seq, end, prefix))
+        if (!decode_group_holds(block_tables, context_lens, num_seqs, block_size, max_blocks, seq, end, prefix))
             return -STATUS_BAD_GROUP;
         const int most_members = item_heads / group;
         for (int first = seq; first < end; first += most_members) {
@@ -772,11 +760,11 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
 static void quantize_row(const uint16_t *x, int head_dim, int8_t *row) {
     __m512 peak = _mm512_setzero_ps();
     for (int d = 0; d < head_dim; d += VECTOR)
-        peak = _mm512_max_ps(peak, _mm512_abs_ps(bf16_vector(x + d)));
+        peak = _mm512_max_ps(peak, _mm512_abs_ps(load_bf16x16(x + d, 0xffff)));
     const float absmax = _mm512_reduce_max_ps(peak), scale = absmax / 127.0f;
     const __m512 inverse = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
     for (int d = 0; d < head_dim; d += VECTOR) {
-        const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_vector(x + d), inverse)); /* nearest even */
+        const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(x + d, 0xffff), inverse)); /* nearest even */
         _mm_storeu_si128((__m128i *)(row + d), _mm512_cvtsepi32_epi8(values));
     }
     memcpy(row + head_dim, &scale, sizeof scale);
@@ -811,10 +799,7 @@ int bg_kv_int8_dequantize(const int8_t *cache, const int64_t *blocks, int num_bl
             const int8_t *row = cache + (blocks[b] * rows_per_block + r) * row_bytes;
             uint16_t *target = out + ((int64_t)b * rows_per_block + r) * head_dim;
             const __m512 scale = _mm512_set1_ps(row_scale(row, head_dim));
-            for (int d = 0; d < head_dim; d += VECTOR) {
-                const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
-                _mm256_storeu_si256((__m256i *)(target + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, scale)));
-            }
+            for (int d = 0; d < head_dim; d += VECTOR) _mm256_storeu_si256((__m256i *)(target + d), dequantize16(row + d, scale));
         }
     return STATUS_OK;
 }

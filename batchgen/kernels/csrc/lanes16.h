@@ -1,8 +1,9 @@
 /*
  * 16-lane float32 helpers on AVX-512 (F, BW, VL), shared by the kernels that must compute alike
- * (decoder_ops.c's gated activation passes and int8_gemm.c's gated epilogue give the same bits):
- * bfloat16 conversions, exp, tanh, SiLU(gate) * up and tanh-GELU(gate) * up. Include after
- * immintrin.h, where those are enabled.
+ * (decoder_ops.c's gated activation passes and int8_gemm.c's gated epilogue give the same bits;
+ * kv_int8_attention.c's block dequantize and amx_attention.c's staging of an int8 pool give the
+ * same rows): bfloat16 conversions, an int8 K/V row's dequantization, exp, tanh, SiLU(gate) * up
+ * and tanh-GELU(gate) * up. Include after immintrin.h, where those are enabled.
  */
 #ifndef BATCHGEN_LANES16_H
 #define BATCHGEN_LANES16_H
@@ -30,6 +31,12 @@ static inline __m512 from_bf16x16(__m256i half) {
 /* The 16 bfloat16 values at `at` (lanes in `mask`; the others 0) as float32. */
 static inline __m512 load_bf16x16(const uint16_t *at, __mmask16 mask) {
     return from_bf16x16(_mm256_maskz_loadu_epi16(mask, at));
+}
+
+/* 16 int8 values of a K/V pool row times the row's scale, rounded to bfloat16 (kv_int8.dequantize). */
+static inline __m256i dequantize16(const int8_t *values, __m512 scale) {
+    __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)values)));
+    return to_bf16x16(_mm512_mul_ps(x, scale));
 }
 
 /* v rounded to bfloat16 where is_bf16 (as float32), else v. */

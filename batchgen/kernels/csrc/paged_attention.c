@@ -1160,13 +1160,11 @@ static int groups_are_valid(const Problem *p, const int32_t *groups, int num_gro
     int last_end = 0, bs = p->block_size;
     for (int g = 0; g < num_groups; g++) {
         int first = groups[3 * g], end = groups[3 * g + 1], prefix = groups[3 * g + 2];
-        if (first < last_end || end > p->num_seqs || end - first < 2 || prefix < 1) return 0;
-        for (int seq = first; seq < end; seq++) {
-            if (prefix >= p->context_lens[seq] || p->context_lens[seq] > (int64_t)p->max_blocks * bs) return 0;
-            const int32_t *table = p->block_tables + (int64_t)seq * p->max_blocks;
-            if (memcmp(table, p->block_tables + (int64_t)first * p->max_blocks, sizeof(int32_t) * ((prefix + bs - 1) / bs)))
-                return 0;
-        }
+        if (first < last_end ||
+            !decode_group_holds(p->block_tables, p->context_lens, p->num_seqs, bs, p->max_blocks, first, end, prefix))
+            return 0;
+        for (int seq = first; seq < end; seq++)
+            if (p->context_lens[seq] > (int64_t)p->max_blocks * bs) return 0;
         last_end = end;
     }
     return 1;
