@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "attention_kernel.h"
+#include "vector_math.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -133,18 +134,6 @@ static void configure_tiles(int low_rows) {
     TileConfig config = {.palette_id = 1};
     for (int t = 0; t < 8; t++) config.rows[t] = (uint8_t)(t < 4 ? low_rows : 16), config.bytes_per_row[t] = 64;
     _tile_loadconfig(&config);
-}
-
-/* 2^x for 16 finite floats: x = n + f with n = floor(x) and 0 <= f < 1 (vreduceps), 2^f by a
- * degree-3 polynomial fitted for relative error (< 7.5e-5, far below the bf16 rounding of the
- * probabilities), times 2^n exactly (vscalefps floors x itself). */
-static inline __m512 exp2_16(__m512 x) {
-    __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 poly = _mm512_set1_ps(0.0780244916677475f);
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.2260672003030777f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.6958335041999817f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.9999251961708069f));
-    return _mm512_scalef_ps(poly, x);
 }
 
 /* ---- staging ---- */
@@ -459,7 +448,7 @@ static void value_tiles(const Problem *p, const char *key_block, BlockState *b) 
 static void cap_scores(const Problem *p, float *scores) {
     const __m512 inverse = _mm512_set1_ps(1.0f / p->softcap), cap = _mm512_set1_ps(p->softcap);
     const __m512 limit = _mm512_set1_ps(9.0f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-    const __m512 two_log2e = _mm512_set1_ps(2.0f * 1.4426950408889634f);
+    const __m512 two_log2e = _mm512_set1_ps(2.0f * LOG2E);
     for (int i = 0; i < BLOCK_ROWS * BLOCK_KEYS; i += 16) {
         __m512 y = _mm512_mul_ps(_mm512_load_ps(scores + i), inverse);
         y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
@@ -514,7 +503,7 @@ static void store_rows(const Problem *p, const RowBlock *block, BlockState *b) {
  * logit as the reference max, with a sum of 1 (the sink's own term, which no value goes with). */
 static void start_with_sinks(const Problem *p, const RowBlock *block, BlockState *b) {
     for (int r = 0; r < block->rows; r++) {
-        b->max[r] = p->sinks[block->head[r]] * 1.4426950408889634f;
+        b->max[r] = p->sinks[block->head[r]] * LOG2E;
         b->bound[r] = (b->max[r] + RESCALE_LOG2) / p->scale_log2;
         b->sums[16 * r] = 1.0f;
     }
@@ -1056,7 +1045,7 @@ int bg_amx_decode_attention(ATTENTION_KERNEL_PARAMS) {
         return STATUS_UNSUPPORTED;
     DecodeProblem p = {(const uint16_t *)q, (uint16_t *)out, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                        block_tables, context_lens, num_heads, num_kv_heads, group, num_blocks, block_size,
-                       max_blocks, scale * 1.4426950408889634f};
+                       max_blocks, scale * LOG2E};
     size_t max_items = num_seqs > 0 ? (size_t)num_seqs * (size_t)num_kv_heads : 1; /* see plan_decode_items */
     DecodeItem *items = (DecodeItem *)malloc(sizeof(DecodeItem) * max_items);
     if (items == NULL) return STATUS_NO_MEMORY;
@@ -1081,7 +1070,7 @@ int bg_amx_prefill_attention(ATTENTION_KERNEL_PARAMS) {
         return STATUS_UNSUPPORTED;
     Problem p = {(const uint16_t *)q, (uint16_t *)out, (const char *)k_cache, (const char *)v_cache,
                  block_tables, context_lens, query_starts, query_lens, NULL, num_heads, num_kv_heads, num_blocks,
-                 block_size, max_blocks, scale * 1.4426950408889634f, softcap > 0.0f ? softcap / scale : 0.0f,
+                 block_size, max_blocks, scale * LOG2E, softcap > 0.0f ? softcap / scale : 0.0f,
                  window, sinks, head_dim, dtype == DTYPE_BF16_INT8_POOL};
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     p.unit_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));

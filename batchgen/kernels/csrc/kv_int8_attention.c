@@ -111,8 +111,9 @@ typedef struct {
 } Work;
 
 /* An item's query rows (times the softmax scale) as int8, symmetric per head, four bytes a dword
- * (zeros past head_dim), head h's chunk c at dwords[h * chunks + c]; `offsets` is 128 times each
- * head's sum of values: vpdpbusd reads every key value with its sign bit flipped, as value + 128.
+ * (zeros past head_dim), head h's chunk c at dwords[h * chunks + c]; `scales` is each head's scale
+ * times log2(e), so that scores come in log2 units; `offsets` is 128 times each head's sum of
+ * values: vpdpbusd reads every key value with its sign bit flipped, as value + 128.
  * Head (m * kv_heads + h) * group + g is member m's query head g of the item's kv head h. */
 typedef struct {
     int32_t dwords[ITEM_HEAD_CHUNKS][DWORDS];
@@ -138,7 +139,7 @@ static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int
             _mm_storeu_si128((__m128i *)(values + d), _mm512_cvtsepi32_epi8(rounded));
         }
         memcpy(queries->dwords[(at + g) * chunks], values, (size_t)chunks * CHUNK);
-        queries->scales[at + g] = absmax / 127.0f;
+        queries->scales[at + g] = absmax / 127.0f * LOG2E;
         queries->offsets[at + g] = 128.0f * (float)_mm512_reduce_add_epi32(sum);
     }
 }
@@ -284,19 +285,6 @@ static inline __attribute__((always_inline)) __m512 head_scores(const Layouts *l
     return _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(queries->scales[head])), key_scales(l, kv)[token_group]);
 }
 
-/* exp(x) for x <= 0 (a score less the running max), 0 below -87: 2 ** (x log2 e) as 2 ** n
- * times a degree-7 polynomial of the fraction in [-0.5, 0.5] (relative error under 1e-7). */
-static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    static const float coefficients[] = {1.5252734e-05f, 1.5403530e-04f, 1.3333558e-03f, 9.6181291e-03f,
-                                         5.5504109e-02f, 2.4022651e-01f, 6.9314718e-01f, 1.0f};
-    __m512 p = _mm512_set1_ps(coefficients[0]);
-    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[i]));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Up to 16 query heads attending a block together, one a lane: their head indices (in the item's
  * state) and kv heads. */
 typedef struct {
@@ -343,7 +331,8 @@ static inline __attribute__((always_inline)) void lane_scores(const Lanes *lanes
     }
 }
 
-/* The online softmax step of the lanes' heads over the block, a head a lane: each weight (its
+/* The online softmax step of the lanes' heads over the block, a head a lane, on scores in log2
+ * units (exp2_16: its error is far below the weights' 8-bit rounding): each weight (its
  * softmax weight times its value row's scale) rounded to 8 bits against the head's largest of the
  * block, round(w * 255 / max w), into state->words (4 tokens a dword, zeros past the count); each
  * head's step and correction of its earlier sums into state->steps and state->corrections. */
@@ -355,10 +344,10 @@ static inline void lane_weights(const Lanes *lanes, ItemState *state) {
     const __m512 old_max = _mm512_load_ps(maxes);
     __m512 peak = _mm512_set1_ps(-3.0e38f);
     for (int t = 0; t < count; t++) peak = _mm512_max_ps(peak, state->scores[t]);
-    const __m512 new_max = _mm512_max_ps(old_max, peak), correction = exp_nonpositive(_mm512_sub_ps(old_max, new_max));
+    const __m512 new_max = _mm512_max_ps(old_max, peak), correction = exp2_16(_mm512_sub_ps(old_max, new_max));
     __m512 total = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
     for (int t = 0; t < count; t++) {
-        const __m512 p = exp_nonpositive(_mm512_sub_ps(state->scores[t], new_max));
+        const __m512 p = exp2_16(_mm512_sub_ps(state->scores[t], new_max));
         total = _mm512_add_ps(total, p);
         state->scores[t] = _mm512_mul_ps(p, state->scales[t]); /* the weight */
         largest = _mm512_max_ps(largest, state->scores[t]);

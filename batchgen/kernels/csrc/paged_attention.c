@@ -44,7 +44,6 @@
 #include "vector_math.h"
 
 #define CHUNK_TOKENS 64
-#define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 /* The vector path (float32 / bfloat16, head_dim a multiple of 32) keeps this many query heads'
  * accumulators in registers at once. */

@@ -7,6 +7,8 @@
 
 #include <stdint.h>
 
+#define LOG2E 1.4426950408889634f /* log2(e): scores in log2 units take exp2 */
+
 typedef union {
     float f;
     uint32_t u;
