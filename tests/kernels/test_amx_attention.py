@@ -17,7 +17,7 @@ from batchgen.kernels import amx_attention, cpu_attention, kv_int8
 from batchgen.kernels.attention import AttentionMetadata, NativeBackend, ReferenceBackend, make_backend
 from batchgen.kernels.attention_kernel import FULL, AttentionVariant, PagedSeqs
 from batchgen.sampling_params import SamplingParams
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, torch_threads
 from tests.kernels.paged_inputs import shuffled_tables
 
 pytestmark = pytest.mark.skipif(not amx_attention.supports(torch.bfloat16, 64),
@@ -168,6 +168,24 @@ def test_groups_match_the_reference():
     assert bf16_error(got, expected) < 2
     # the same chunks without groups give the same attention
     assert bf16_error(attend(*inputs, context_lens, query_lens), expected) < 2
+
+
+@pytest.mark.parametrize("variant", [FULL, AttentionVariant(window=100)])
+def test_what_a_thread_staged_for_its_last_item_is_kept_alike_however_items_fall_to_threads(variant):
+    # a group of eight 70-token questions over a 192-token prefix (1,680 rows a kv head: five items
+    # each) beside a lone 700-token prompt (seven items a kv head, each seeing fewer of the same
+    # keys): a thread keeps the prefix, and the lone prompt's keys, from its item before; the
+    # result is the reference's, and the same bits on one thread as on two
+    context_lens, query_lens = [192 + 70] * 8 + [700], [70] * 8 + [700]
+    shared = [(0, 8, 192)]
+    inputs = paged_step(context_lens, query_lens, shared=shared)
+    with torch_threads(1):
+        alone = attend(*inputs, context_lens, query_lens, groups=shared, variant=variant)
+    with torch_threads(2):
+        together = attend(*inputs, context_lens, query_lens, groups=shared, variant=variant)
+    assert torch.equal(alone, together)
+    expected = reference(*inputs, context_lens, query_lens, window=variant.window)
+    assert bf16_error(together, expected) < 2
 
 
 def test_a_groups_rows_need_not_be_adjacent_and_other_rows_are_left_alone():
