@@ -172,11 +172,12 @@ def test_groups_match_the_reference():
 
 @pytest.mark.parametrize("variant", [FULL, AttentionVariant(window=100)])
 def test_what_a_thread_staged_for_its_last_item_is_kept_alike_however_items_fall_to_threads(variant):
-    # a group of eight 70-token questions over a 192-token prefix (1,680 rows a kv head: five items
-    # each) beside a lone 700-token prompt (seven items a kv head, each seeing fewer of the same
-    # keys): a thread keeps the prefix, and the lone prompt's keys, from its item before; the
-    # result is the reference's, and the same bits on one thread as on two
-    context_lens, query_lens = [192 + 70] * 8 + [700], [70] * 8 + [700]
+    # a group of eight 70-token questions over a 192-token prefix (1,680 rows a kv head: five items)
+    # beside a 700-token chunk after 17 cached tokens (six items a kv head, each seeing the same
+    # first keys, a later one more of them, from inside a key block): a thread keeps the prefix,
+    # and the chunk's keys, from its item before; the result is the reference's, and the same
+    # bits on one thread as on two
+    context_lens, query_lens = [192 + 70] * 8 + [717], [70] * 8 + [700]
     shared = [(0, 8, 192)]
     inputs = paged_step(context_lens, query_lens, shared=shared)
     with torch_threads(1):

@@ -20,12 +20,12 @@
  *
  * Work. An item's rows are (unit row, query head) pairs of one kv head, unit row by unit row:
  * an item is (unit, kv head, up to ITEM_BLOCKS row blocks of 16 such rows). The items of a unit
- * and kv head go together, costliest first, and those units and kv heads costliest first.
+ * and kv head go together, costliest first, those whose cheapest item costs most first.
  * A decode row alone is then one block of `group` rows, whose K/V tiles all its heads share.
  * It stages the keys its rows see (the prefix, and the own positions of the members whose rows
  * it holds, up to its last row's) from the pool into the thread's buffer in tile order, keeping
- * what the thread's item before staged of the same unit and kv head (the prefix; a member's own
- * keys from the same first key: a lone prompt's items see ever fewer of the same keys), in key
+ * what the thread's item before staged of the same unit and kv head (the prefix; a lone prompt's
+ * own keys, which all its items see from the same first key), in key
  * blocks of 32: K as the B operands of the score product (per 16 keys and 32 dims a tile of 16
  * dim pairs x 16 keys, a transpose in 32-bit pairs), then V as the B operands of the value
  * product (per 16 dims a tile of 16 key pairs x 16 dims, the two keys' values side by side);
@@ -253,60 +253,59 @@ static int own_keys_from(const Problem *p, const Unit *u, int seq, int64_t first
     return window_start(p, own_length(p, u, seq) - p->query_lens[seq] + (row - p->unit_rows[seq])); /* its own key */
 }
 
-/* Member `seq`'s own keys `from` .. from + count - 1 staged at `offset`, where `staged` holds
- * `kept` of them there already (staged whole key blocks are kept; the last partial one is
- * staged again). */
-static int stage_own(const Problem *p, const Unit *u, int seq, int from, int count, int kept, int kv_head,
-                     int64_t offset, Staged *staged) {
+/* Positions first .. first + count - 1 of the sequence with `table` into the segment at `dst`,
+ * which holds the first `kept` of them already: none staged where kept >= count, else those from
+ * the last whole key block on. */
+static int stage_rest(const Problem *p, const int32_t *table, int first, int kept, int count, int kv_head, char *dst) {
     const int done = kept / BLOCK_KEYS * BLOCK_KEYS;
     if (kept >= count) return STATUS_OK;
-    return stage_segment(p, p->block_tables + (int64_t)seq * p->max_blocks, u->prefix + from + done, count - done,
-                         kv_head, staged->keys + offset + (int64_t)(done / BLOCK_KEYS) * key_block_bytes(p));
+    return stage_segment(p, table, first + done, count - done, kv_head,
+                         dst + (int64_t)(done / BLOCK_KEYS) * key_block_bytes(p));
 }
 
 /* The keys seen by unit rows first_row .. end_row - 1 of unit `unit_index` (`u`) for `kv_head`,
  * into `staged` (its buffer grown as needed): the prefix, and each member's own keys from its
  * first row's window on. What the thread's item before staged of the same unit and kv head is
- * kept: the prefix, and a member's own keys where they sit at the same place from the same key
- * (a lone sequence's items, whose rows see ever fewer of the same keys, costliest first).
- * Returns a STATUS_* code. */
+ * kept: the prefix, and where both items hold one member's rows, its own keys from the same
+ * first key (a lone prompt's items: a later one that sees more keys stages only those past the
+ * last whole key block). Returns a STATUS_* code. */
 static int stage_item(const Problem *p, const Unit *u, int unit_index, int kv_head, int64_t first_row, int64_t end_row,
                       Staged *staged) {
     const int same_unit = staged->unit == unit_index && staged->kv_head == kv_head;
-    const int old_first = staged->first, old_end = staged->end;
+    const int lone_member = staged->end - staged->first == 1 ? staged->first : -1;
+    staged->unit = staged->kv_head = -1; /* until it is all staged */
     int first = u->end, end = u->first;
     for (int seq = u->first; seq < u->end; seq++)
         if (p->unit_rows[seq] < end_row && p->unit_rows[seq] + p->query_lens[seq] > first_row) {
             first = seq < first ? seq : first;
             end = seq + 1;
         }
-    const int same_members = same_unit && first == old_first && end == old_end;
+    int kept = 0; /* own keys of member `first` kept, where it is the only one, as before */
+    if (same_unit && end - first == 1 && first == lone_member && staged->own_from[0] == own_keys_from(p, u, first, first_row))
+        kept = staged->own_keys[0];
     int64_t bytes = (int64_t)key_blocks(u->prefix) * key_block_bytes(p);
-    int kept[end - first > 0 ? end - first : 1];
     for (int seq = first; seq < end; seq++) {
-        const int i = seq - first, from = own_keys_from(p, u, seq, first_row);
-        const int count = own_keys_seen(p, u, seq, end_row) - from;
-        kept[i] = same_members && staged->own_from[i] == from && staged->own_offsets[i] == bytes ? staged->own_keys[i] : 0;
+        const int i = seq - first, from = own_keys_from(p, u, seq, first_row), count = own_keys_seen(p, u, seq, end_row) - from;
         staged->own_offsets[i] = bytes;
         staged->own_from[i] = from;
-        staged->own_keys[i] = count > kept[i] || seq + 1 < end ? count : kept[i];
+        staged->own_keys[i] = count > kept ? count : kept;
         bytes += (int64_t)key_blocks(staged->own_keys[i]) * key_block_bytes(p);
     }
     staged->first = first, staged->end = end;
     if (bytes > staged->capacity) {
         char *keys = (char *)aligned_alloc(64, (size_t)bytes);
         if (keys == NULL) return STATUS_NO_MEMORY;
-        if (staged->keys) memcpy(keys, staged->keys, (size_t)staged->capacity);
+        if (same_unit) memcpy(keys, staged->keys, (size_t)staged->capacity);
         free(staged->keys);
         staged->keys = keys, staged->capacity = bytes;
     }
-    staged->unit = staged->kv_head = -1; /* until it is all staged */
     int code = same_unit ? STATUS_OK
                          : stage_segment(p, p->block_tables + (int64_t)u->first * p->max_blocks, 0, u->prefix, kv_head,
                                          staged->keys);
     for (int seq = first; seq < end && code == STATUS_OK; seq++)
-        code = stage_own(p, u, seq, staged->own_from[seq - first], staged->own_keys[seq - first], kept[seq - first],
-                         kv_head, staged->own_offsets[seq - first], staged);
+        code = stage_rest(p, p->block_tables + (int64_t)seq * p->max_blocks, u->prefix + staged->own_from[seq - first],
+                          kept, own_keys_seen(p, u, seq, end_row) - staged->own_from[seq - first], kv_head,
+                          staged->keys + staged->own_offsets[seq - first]);
     if (code == STATUS_OK) staged->unit = unit_index, staged->kv_head = kv_head;
     return code;
 }
@@ -582,14 +581,14 @@ static void attend_block(const Problem *p, const Unit *u, const Staged *staged, 
 
 typedef struct {
     int unit, kv_head, first_block;
-    int64_t cost, unit_cost; /* its own; the costliest of its unit's for its kv head */
+    int64_t cost, least_cost; /* its own; the cheapest of its unit's items for its kv head */
 } Item;
 
-/* Costliest unit and kv head first, their items together (a thread's items in a row keep what
- * it staged), costliest first. */
-static int by_cost_descending(const void *a, const void *b) {
+/* The work order: a unit and kv head's items together (a thread's items in a row keep what it
+ * staged), those whose cheapest item costs most first, and each one's items costliest first. */
+static int in_work_order(const void *a, const void *b) {
     const Item *x = (const Item *)a, *y = (const Item *)b;
-    if (x->unit_cost != y->unit_cost) return x->unit_cost < y->unit_cost ? 1 : -1;
+    if (x->least_cost != y->least_cost) return x->least_cost < y->least_cost ? 1 : -1;
     if (x->unit != y->unit) return x->unit - y->unit;
     if (x->kv_head != y->kv_head) return x->kv_head - y->kv_head;
     return (x->cost < y->cost) - (x->cost > y->cost);
@@ -625,28 +624,30 @@ static int plan_units(Problem *p, int num_seqs, const int32_t *groups, int num_g
     return g == num_groups ? num_units : -STATUS_BAD_GROUP; /* a group out of order or overlapping */
 }
 
-/* Work items of every unit, in `by_cost_descending` order: (unit, kv head, first row block);
- * returns their count. */
+/* The keys unit row `row` of unit `u` sees: its member's context up to it. */
+static int64_t keys_seen(const Problem *p, const Unit *u, int64_t row) {
+    int seq = u->first;
+    while (seq + 1 < u->end && p->unit_rows[seq + 1] <= row) seq++;
+    return p->context_lens[seq] - (p->unit_rows[seq] + p->query_lens[seq] - 1 - row);
+}
+
+/* Work items of every unit, in `in_work_order`: (unit, kv head, first row block), each costing
+ * its rows times the keys its last unit row sees; returns their count. */
 static int plan_items(const Problem *p, const Unit *units, int num_units, Item *items) {
     int num_items = 0, group = p->num_heads / p->num_kv_heads;
     for (int u = 0; u < num_units; u++) {
-        int64_t blocks = (units[u].num_rows * group + BLOCK_ROWS - 1) / BLOCK_ROWS;
-        int64_t keys = p->context_lens[units[u].end - 1]; /* the last row's */
-        for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++) {
-            const int unit_first = num_items;
-            int64_t unit_cost = 0;
-            for (int64_t block = 0; block < blocks; block += ITEM_BLOCKS) {
-                /* its rows times the keys its last unit row sees, at most */
-                int64_t rows = blocks - block < ITEM_BLOCKS ? blocks - block : ITEM_BLOCKS;
-                int64_t last = (block + rows) * BLOCK_ROWS / group;
-                int64_t seen = keys - (units[u].num_rows > last ? units[u].num_rows - last : 0);
+        int64_t blocks = (units[u].num_rows * group + BLOCK_ROWS - 1) / BLOCK_ROWS, least_cost = INT64_MAX;
+        for (int64_t block = 0; block < blocks; block += ITEM_BLOCKS) {
+            int64_t rows = blocks - block < ITEM_BLOCKS ? blocks - block : ITEM_BLOCKS;
+            int64_t last = (block + rows) * BLOCK_ROWS / group;
+            int64_t seen = keys_seen(p, &units[u], (last < units[u].num_rows ? last : units[u].num_rows) - 1);
+            for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
                 items[num_items++] = (Item){u, kv_head, (int)block, rows * (seen > 1 ? seen : 1), 0};
-                unit_cost = items[num_items - 1].cost > unit_cost ? items[num_items - 1].cost : unit_cost;
-            }
-            for (int i = unit_first; i < num_items; i++) items[i].unit_cost = unit_cost;
+            least_cost = rows * (seen > 1 ? seen : 1) < least_cost ? rows * (seen > 1 ? seen : 1) : least_cost;
         }
+        for (int i = num_items - 1; i >= 0 && items[i].unit == u; i--) items[i].least_cost = least_cost;
     }
-    qsort(items, num_items, sizeof(Item), by_cost_descending);
+    qsort(items, num_items, sizeof(Item), in_work_order);
     return num_items;
 }
 
