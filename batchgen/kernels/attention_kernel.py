@@ -16,10 +16,9 @@ k_cache and v_cache [num_blocks, block_size, num_kv_heads, head_dim] in q's dtyp
 pool (`kv_int8`) [num_blocks, block_size, num_kv_heads, head_dim + SCALE_BYTES]: each row its
 head_dim int8 values, then their float32 scale (a kernel that has no code for one returns
 False); num_heads a multiple of num_kv_heads; query head h reads kv head
-h // (num_heads // num_kv_heads). Token
-position p of sequence s lives in slot block_tables[s, p // block_size] * block_size +
-p % block_size. The C kernels take every tensor contiguous, in the order of
-``csrc/attention_kernel.h`` (`c_arguments`).
+h // (num_heads // num_kv_heads). Token position p of sequence s lives in slot
+block_tables[s, p // block_size] * block_size + p % block_size. The C kernels take every tensor
+contiguous, in the order of ``csrc/attention_kernel.h`` (`c_arguments`).
 """
 
 from __future__ import annotations

@@ -170,25 +170,6 @@ static inline __m512i row_dims32(const Problem *p, const char *row, int d) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(row_dims16(p, row, d)), row_dims16(p, row, d + 16), 1);
 }
 
-/* r transposed as a 16 x 16 matrix of 32-bit elements: at each step s, the off-diagonal s x s
- * sub-blocks of every 2s x 2s block swap. */
-static void transpose16(__m512i r[16]) {
-    const __m512i column = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int s = 8; s >= 1; s /= 2) {
-        __m512i step = _mm512_set1_epi32(s), other = _mm512_set1_epi32(16);
-        __mmask16 upper = _mm512_test_epi32_mask(column, step);
-        /* row i keeps its columns with bit s clear, and takes row i + s's there; row i + s the rest */
-        __m512i low = _mm512_mask_blend_epi32(upper, column, _mm512_sub_epi32(_mm512_add_epi32(column, other), step));
-        __m512i high = _mm512_mask_blend_epi32(upper, _mm512_add_epi32(column, step), _mm512_add_epi32(column, other));
-        for (int i = 0; i < 16; i++) {
-            if (i & s) continue;
-            __m512i a = r[i], b = r[i + s];
-            r[i] = _mm512_permutex2var_epi32(a, low, b);
-            r[i + s] = _mm512_permutex2var_epi32(a, high, b);
-        }
-    }
-}
-
 /* Positions first .. first + n - 1 of the sequence with `table` (kv head `kv_head`) into tile
  * order at `dst` (ceil(n / 32) key blocks). Returns STATUS_BAD_BLOCK_ID for a block id outside
  * the pool. */
@@ -213,7 +194,7 @@ static int stage_segment(const Problem *p, const int32_t *table, int first, int 
             for (int dims = 0; dims < dim_tiles; dims++) { /* dims 32 dims .. + 31 */
                 __m512i r[16];
                 for (int i = 0; i < 16; i++) r[i] = row_dims32(p, k_rows[16 * half + i], 32 * dims);
-                transpose16(r);
+                transpose_dwords(r);
                 char *tile = dst + (half * dim_tiles + dims) * TILE_BYTES;
                 for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 64 * i, r[i]);
             }
@@ -255,7 +236,7 @@ static int own_keys_from(const Problem *p, const Unit *u, int seq, int64_t first
 
 /* Positions first .. first + count - 1 of the sequence with `table` into the segment at `dst`,
  * which holds the first `kept` of them already: none staged where kept >= count, else those from
- * the last whole key block on. */
+ * the last whole key block of the kept on. */
 static int stage_rest(const Problem *p, const int32_t *table, int first, int kept, int count, int kv_head, char *dst) {
     const int done = kept / BLOCK_KEYS * BLOCK_KEYS;
     if (kept >= count) return STATUS_OK;
@@ -272,7 +253,6 @@ static int stage_rest(const Problem *p, const int32_t *table, int first, int kep
 static int stage_item(const Problem *p, const Unit *u, int unit_index, int kv_head, int64_t first_row, int64_t end_row,
                       Staged *staged) {
     const int same_unit = staged->unit == unit_index && staged->kv_head == kv_head;
-    const int lone_member = staged->end - staged->first == 1 ? staged->first : -1;
     staged->unit = staged->kv_head = -1; /* until it is all staged */
     int first = u->end, end = u->first;
     for (int seq = u->first; seq < u->end; seq++)
@@ -281,7 +261,8 @@ static int stage_item(const Problem *p, const Unit *u, int unit_index, int kv_he
             end = seq + 1;
         }
     int kept = 0; /* own keys of member `first` kept, where it is the only one, as before */
-    if (same_unit && end - first == 1 && first == lone_member && staged->own_from[0] == own_keys_from(p, u, first, first_row))
+    if (same_unit && end - first == 1 && staged->first == first && staged->end == end &&
+        staged->own_from[0] == own_keys_from(p, u, first, first_row))
         kept = staged->own_keys[0];
     int64_t bytes = (int64_t)key_blocks(u->prefix) * key_block_bytes(p);
     for (int seq = first; seq < end; seq++) {
@@ -304,8 +285,7 @@ static int stage_item(const Problem *p, const Unit *u, int unit_index, int kv_he
                                          staged->keys);
     for (int seq = first; seq < end && code == STATUS_OK; seq++)
         code = stage_rest(p, p->block_tables + (int64_t)seq * p->max_blocks, u->prefix + staged->own_from[seq - first],
-                          kept, own_keys_seen(p, u, seq, end_row) - staged->own_from[seq - first], kv_head,
-                          staged->keys + staged->own_offsets[seq - first]);
+                          kept, staged->own_keys[seq - first], kv_head, staged->keys + staged->own_offsets[seq - first]);
     if (code == STATUS_OK) staged->unit = unit_index, staged->kv_head = kv_head;
     return code;
 }
@@ -641,9 +621,10 @@ static int plan_items(const Problem *p, const Unit *units, int num_units, Item *
             int64_t rows = blocks - block < ITEM_BLOCKS ? blocks - block : ITEM_BLOCKS;
             int64_t last = (block + rows) * BLOCK_ROWS / group;
             int64_t seen = keys_seen(p, &units[u], (last < units[u].num_rows ? last : units[u].num_rows) - 1);
+            int64_t cost = rows * (seen > 1 ? seen : 1);
             for (int kv_head = 0; kv_head < p->num_kv_heads; kv_head++)
-                items[num_items++] = (Item){u, kv_head, (int)block, rows * (seen > 1 ? seen : 1), 0};
-            least_cost = rows * (seen > 1 ? seen : 1) < least_cost ? rows * (seen > 1 ? seen : 1) : least_cost;
+                items[num_items++] = (Item){u, kv_head, (int)block, cost, 0};
+            least_cost = cost < least_cost ? cost : least_cost;
         }
         for (int i = num_items - 1; i >= 0 && items[i].unit == u; i--) items[i].least_cost = least_cost;
     }

@@ -120,27 +120,35 @@ typedef struct {
     float scales[ITEM_HEAD_CHUNKS], offsets[ITEM_HEAD_CHUNKS];
 } Queries;
 
+/* head_dim bf16 values x, times `factor`, quantized as kv_int8.quantize does (round to nearest
+ * even of y * (127 / max|y|)) into `values`; returns max|y|, and the sum of the values in `sum`. */
+static float quantize_values(const uint16_t *x, int head_dim, float factor, int8_t *values, int32_t *sum) {
+    __m512 peak = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += VECTOR)
+        peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_mul_ps(load_bf16x16(x + d, 0xffff), _mm512_set1_ps(factor))));
+    const float absmax = _mm512_reduce_max_ps(peak);
+    const __m512 inverse = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
+    __m512i total = _mm512_setzero_si512();
+    for (int d = 0; d < head_dim; d += VECTOR) {
+        const __m512 y = _mm512_mul_ps(load_bf16x16(x + d, 0xffff), _mm512_set1_ps(factor));
+        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(y, inverse)); /* nearest even */
+        total = _mm512_add_epi32(total, rounded);
+        _mm_storeu_si128((__m128i *)(values + d), _mm512_cvtsepi32_epi8(rounded));
+    }
+    *sum = _mm512_reduce_add_epi32(total);
+    return absmax;
+}
+
 /* Query heads q[0 .. num_heads) (times `scale`) into the item's heads at, .. + num_heads - 1. */
 static void quantize_queries(const uint16_t *q, int num_heads, int head_dim, int chunks, float scale, int at,
                              Queries *queries) {
     for (int g = 0; g < num_heads; g++) {
-        const uint16_t *x = q + g * head_dim;
-        __m512 peak = _mm512_setzero_ps();
-        for (int d = 0; d < head_dim; d += VECTOR)
-            peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_mul_ps(load_bf16x16(x + d, 0xffff), _mm512_set1_ps(scale))));
-        const float absmax = _mm512_reduce_max_ps(peak);
-        const __m512 inverse = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
         int8_t values[MAX_CHUNKS * CHUNK] = {0};
-        __m512i sum = _mm512_setzero_si512();
-        for (int d = 0; d < head_dim; d += VECTOR) {
-            const __m512 row = _mm512_mul_ps(load_bf16x16(x + d, 0xffff), _mm512_set1_ps(scale));
-            const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(row, inverse)); /* nearest even */
-            sum = _mm512_add_epi32(sum, rounded);
-            _mm_storeu_si128((__m128i *)(values + d), _mm512_cvtsepi32_epi8(rounded));
-        }
+        int32_t sum;
+        const float absmax = quantize_values(q + g * head_dim, head_dim, scale, values, &sum);
         memcpy(queries->dwords[(at + g) * chunks], values, (size_t)chunks * CHUNK);
         queries->scales[at + g] = absmax / 127.0f * LOG2E;
-        queries->offsets[at + g] = 128.0f * (float)_mm512_reduce_add_epi32(sum);
+        queries->offsets[at + g] = 128.0f * (float)sum;
     }
 }
 
@@ -153,33 +161,6 @@ static inline __mmask64 chunk_mask(int head_dim, int c) {
 static inline __mmask16 lanes_before(int count, int first) {
     const int left = count - first;
     return left >= VECTOR ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-}
-
-/* 16 vectors of 16 dwords transposed in place: afterwards lane t of r[j] is what lane j of r[t]
- * was. Pairs of dwords, then of qwords, are interleaved within 128-bit lanes; then 128-bit lanes
- * are gathered across vectors. */
-static inline void transpose_dwords(__m512i r[VECTOR]) {
-    __m512i a[VECTOR], b[VECTOR];
-    for (int i = 0; i < VECTOR; i += 2) {
-        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    /* b[4i + m]: lane L holds rows 4i .. 4i + 3's dword 4L + m */
-    for (int i = 0; i < VECTOR; i += 4) {
-        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
-        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
-        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
-        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
-    }
-    for (int m = 0; m < 4; m++) {
-        const __m512i even_low = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), odd_low = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
-        const __m512i even_high = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88),
-                      odd_high = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
-        r[m] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
-        r[4 + m] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
-        r[8 + m] = _mm512_shuffle_i32x4(even_low, even_high, 0xDD);
-        r[12 + m] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD);
-    }
 }
 
 /* 4 value rows' bytes [64 c, 64 c + 64) interleaved: lane L of out[j] holds dimensions
@@ -745,17 +726,10 @@ int bg_kv_int8_decode_attention(uint16_t *out, const uint16_t *q, const int8_t *
     return result;
 }
 
-/* One (token, head) row of head_dim bf16 values as an int8 cache row. */
+/* One (token, head) row of head_dim bf16 values as an int8 cache row (x times 1 is x). */
 static void quantize_row(const uint16_t *x, int head_dim, int8_t *row) {
-    __m512 peak = _mm512_setzero_ps();
-    for (int d = 0; d < head_dim; d += VECTOR)
-        peak = _mm512_max_ps(peak, _mm512_abs_ps(load_bf16x16(x + d, 0xffff)));
-    const float absmax = _mm512_reduce_max_ps(peak), scale = absmax / 127.0f;
-    const __m512 inverse = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
-    for (int d = 0; d < head_dim; d += VECTOR) {
-        const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(x + d, 0xffff), inverse)); /* nearest even */
-        _mm_storeu_si128((__m128i *)(row + d), _mm512_cvtsepi32_epi8(values));
-    }
+    int32_t sum;
+    const float scale = quantize_values(x, head_dim, 1.0f, row, &sum) / 127.0f;
     memcpy(row + head_dim, &scale, sizeof scale);
 }
 

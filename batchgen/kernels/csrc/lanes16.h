@@ -2,9 +2,9 @@
  * 16-lane float32 helpers on AVX-512 (F, BW, VL), shared by the kernels that must compute alike
  * (decoder_ops.c's gated activation passes and int8_gemm.c's gated epilogue give the same bits;
  * kv_int8_attention.c's block dequantize and amx_attention.c's staging of an int8 pool give the
- * same rows): bfloat16 conversions, an int8 K/V row's dequantization, attention's 2^x (amx_attention.c,
- * kv_int8_attention.c), exp, tanh, SiLU(gate) * up and tanh-GELU(gate) * up. Include after
- * immintrin.h, where those are enabled.
+ * same rows): bfloat16 conversions, an int8 K/V row's dequantization, a 16 x 16 dword transpose and
+ * attention's 2^x (amx_attention.c, kv_int8_attention.c), exp, tanh, SiLU(gate) * up and
+ * tanh-GELU(gate) * up. Include after immintrin.h, where those are enabled.
  */
 #ifndef BATCHGEN_LANES16_H
 #define BATCHGEN_LANES16_H
@@ -43,6 +43,33 @@ static inline __m256i dequantize16(const int8_t *values, __m512 scale) {
 /* v rounded to bfloat16 where is_bf16 (as float32), else v. */
 static inline __m512 round16(__m512 v, int is_bf16) {
     return is_bf16 ? from_bf16x16(to_bf16x16(v)) : v;
+}
+
+/* 16 vectors of 16 dwords transposed in place: afterwards lane t of r[j] is what lane j of r[t]
+ * was. Pairs of dwords, then of qwords, are interleaved within 128-bit lanes; then 128-bit lanes
+ * are gathered across vectors. */
+static inline void transpose_dwords(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* b[4i + m]: lane L holds rows 4i .. 4i + 3's dword 4L + m */
+    for (int i = 0; i < 16; i += 4) {
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i even_low = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), odd_low = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
+        const __m512i even_high = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88),
+                      odd_high = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(even_low, even_high, 0xDD);
+        r[12 + m] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD);
+    }
 }
 
 /* 2^x for 16 finite floats: x = n + f with n = floor(x) and 0 <= f < 1 (vreduceps), 2^f by a
