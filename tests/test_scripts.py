@@ -19,6 +19,8 @@ import avx2_emulation  # noqa: E402
 import bench  # noqa: E402
 import bench_cpu_attention  # noqa: E402
 import bench_cpu_linear  # noqa: E402
+import bench_number_formats  # noqa: E402
+import bench_quality  # noqa: E402
 import bench_report  # noqa: E402
 import bench_systems  # noqa: E402
 import peer_llama_cpp  # noqa: E402
@@ -281,6 +283,41 @@ def test_cascade_bench_inputs_share_exactly_each_groups_prefix_blocks():
     assert block_tables[:3, :2].unique(dim=0).shape[0] == 1 and block_tables[3:, :2].unique(dim=0).shape[0] == 1
     assert not set(block_tables[:3, :2].flatten().tolist()) & set(block_tables[3:, :2].flatten().tolist())
     assert len(set(block_tables[:, 2].tolist())) == 6
+
+
+def test_quality_bench_measures_each_modes_kl_and_perplexity_against_bf16(one_thread):
+    from batchgen import LLM
+    from tests.conftest import tiny_model, tiny_tokenizer
+
+    model = tiny_model(hidden_size=256).to(torch.bfloat16)  # head_dim 64, as the default model's
+    modes = {"bf16": {}, "bf16 again": {}, "int8-kv": {"kv_cache_dtype": "int8"}}
+    llms = {mode: LLM(model, tokenizer=tiny_tokenizer(), kv_cache_memory=2**22, **options)
+            for mode, options in modes.items()}
+    texts = {"a": [3 + (7 * i) % 500 for i in range(70)], "b": [5 + (11 * i) % 400 for i in range(50)]}
+    for decode, first in ((False, 1), (True, bench_quality.DECODE_PROMPT_TOKENS)):
+        metrics = bench_quality.text_metrics(llms, texts, decode=decode)
+        assert {m["num_tokens"] for m in metrics.values()} == {sum(len(t) - first for t in texts.values())}
+        # the same engine again gives the same logits: no divergence, the same perplexity
+        assert metrics["bf16"]["mean_kl_nats"] == metrics["bf16 again"]["mean_kl_nats"] == 0
+        assert metrics["bf16"]["perplexity"] == metrics["bf16 again"]["perplexity"] > 1
+        # the int8 cache moves the logits a little
+        assert 0 < metrics["int8-kv"]["mean_kl_nats"] < 0.05
+        assert metrics["int8-kv"]["max_token_kl_nats"] >= metrics["int8-kv"]["mean_kl_nats"]
+    pairs, answers = bench_quality.multiple_choice_pairs(3)
+    assert len(pairs) == 4 * len(answers) == 12 and all(0 <= a < 4 for a in answers)
+    assert [continuation for _, continuation in pairs[:4]] == [" A", " B", " C", " D"]
+    assert len({context.split("\n\n")[0] for context, _ in pairs}) == 1  # the same shots before every question
+
+
+def test_number_formats_bench_times_every_format_on_the_same_steps(tmp_path, one_thread):
+    out = tmp_path / "formats.json"
+    report = bench_number_formats.main(["--batches", "2", "--contexts", "32", "--prefill-tokens", "32",
+                                        "--repeats", "1", "--out", str(out)])
+    assert [(r["kind"], r["batch"], r["context"]) for r in report["rows"]] == [("decode", 2, 32), ("prefill", 1, 32)]
+    for row in report["rows"]:
+        assert set(row["median_s"]) == set(bench_number_formats.FORMATS) and min(row["median_s"].values()) > 0
+        assert set(row["speedup_over_bf16"]) == set(bench_number_formats.FORMATS) - {"bf16"}
+    assert json.loads(out.read_text())["rows"][0]["median_s"] == report["rows"][0]["median_s"]
 
 
 def test_profile_splits_each_systems_time(tmp_path, one_thread, capsys):
