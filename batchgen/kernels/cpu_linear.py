@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,28 +75,30 @@ def bucketed(num_rows: int, bucket: int) -> int:
 
 
 def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None], quantization: str = "none",
-                 input_absmax: torch.Tensor | None = None, gated: str | None = None) -> PackedWeight:
+                 input_absmax: torch.Tensor | None = None, gated: str | None = None,
+                 split_inputs: bool = False) -> PackedWeight:
     """The row-wise concatenation of `weights` (and of their biases, all given or all None),
     packed once: one product computes all of them. A bf16 weight the kernel takes is packed for
     it, and for oneDNN too where the kernel runs only small products (on AMX: both copies).
     With `quantization` (``int8``, ``int8-weight``) it is quantized instead (`int8_linear`), its
     inputs smoothed where their calibrated ranges (`input_absmax`) are given; a [gate; up] weight
     without a bias, with its MLP's activation (`gated`), may then compute act(gate) * up (see
-    `PackedWeight.gated`). Weights loaded quantized (`loaded_int8.LoadedWeight`) take their int8
-    form from their source."""
+    `PackedWeight.gated`); with `split_inputs` its W8A8 inputs go in two int8 parts
+    (`Int8Weight.split_inputs`). Weights loaded quantized (`loaded_int8.LoadedWeight`) take their
+    int8 form from their source."""
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     gated = gated if bias is None else None
     if isinstance(weights[0], LoadedWeight):
         if quantization == "none":
             raise ValueError("a weight loaded in int8 runs only with a quantization (int8 or int8-weight)")
         loaded = weights[0] if len(weights) == 1 else LoadedWeight.cat(weights)
-        return PackedWeight(None, None, 0, bias, loaded.shape[0],
-                            int8=loaded.int8(quantization, input_absmax, gated))
+        int8 = loaded.int8(quantization, input_absmax, gated)
+        return PackedWeight(None, None, 0, bias, loaded.shape[0], int8=with_split_inputs(int8, split_inputs))
     weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     out_features, in_features = weight.shape
     if quantization != "none":
-        return PackedWeight(None, None, 0, bias, out_features,
-                            int8=quantize_weight(weight, quantization, input_absmax, gated=gated))
+        int8 = quantize_weight(weight, quantization, input_absmax, gated=gated)
+        return PackedWeight(None, None, 0, bias, out_features, int8=with_split_inputs(int8, split_inputs))
     if weight.device.type != "cpu":
         return PackedWeight(None, None, 0, bias, out_features, dense=weight)
     on_kernel = weight.dtype == torch.bfloat16 and bf16_gemm.takes(in_features)
@@ -103,6 +106,11 @@ def pack_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None],
     needs_onednn = kernel_rows < bf16_gemm.UNLIMITED_ROWS
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if needs_onednn else None
     return PackedWeight(onednn, panels, kernel_rows, bias, out_features)
+
+
+def with_split_inputs(int8: Int8Weight, split_inputs: bool) -> Int8Weight:
+    """`int8` with its W8A8 inputs in two parts where `split_inputs` (a weight-only one as it is)."""
+    return dataclasses.replace(int8, split_inputs=True) if split_inputs and int8.activations_quantized else int8
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

@@ -14,6 +14,9 @@ Invariants:
 - A gated `linear` (a weight of [gate; up] rows in `gated_order`) equals `decoder_ops.silu_mul`
   (or `gelu_tanh_mul`) of the plain product of the [gate; up] weight, bit for bit: it never
   writes the gate|up rows.
+- A `split_inputs` `linear` equals `int8_linear`'s torch computation of the split exactly too:
+  each row quantized, then what its rounding left quantized alike, the two products' scaled
+  sums added.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.bg_int8_linear.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer,
-                                       pointer, pointer, size, ctypes.c_int, pointer, ctypes.c_int]
+                                       pointer, pointer, size, ctypes.c_int, ctypes.c_int, pointer, ctypes.c_int]
     library.bg_int8_linear.restype = None
     return library
 
@@ -97,22 +100,25 @@ def gated_order(out_features: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, out_features: int, smoothing: torch.Tensor | None = None,
-           gated: str | None = None) -> torch.Tensor:
+           gated: str | None = None, split_inputs: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` in bf16 for a 2-D bf16 `x`, its rows (times `smoothing`, float32
     per input, where given) quantized per token in the same call, where ``weight / smoothing =
     values * scales[:, None]`` and ``pack(values) = (panels, compensation)``. `gated` (an activation
     of GATED_ACTIVATIONS; no bias): `weight` is [gate; up] in `gated_order`, and the result
-    act(gate) * up, out_features / 2 wide."""
+    act(gate) * up, out_features / 2 wide. `split_inputs` (no `gated`): each row in two int8 parts,
+    the row and what its rounding left (``csrc/int8_gemm.c``), twice the products."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     k_padded = padded_inputs(k)
-    scratch = torch.empty(m * (k_padded + 4), dtype=torch.int8)  # the rows' int8 values, then their float32 scales
+    rows = 2 * m if split_inputs else m  # quantized rows
+    scratch = torch.empty(rows * (k_padded + 4), dtype=torch.int8)  # the rows' int8 values, then their float32 scales
     out = x.new_empty((m, out_features // 2 if gated else out_features))
     with profiler_span(INT8_LINEAR_SPAN):
         _library().bg_int8_linear(x.data_ptr(), x.stride(0), m, k, None if smoothing is None else smoothing.data_ptr(),
                                   scratch.data_ptr(),
-                                  scratch.data_ptr() + m * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
+                                  scratch.data_ptr() + rows * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
                                   compensation.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
-                                  GATED_ACTIVATIONS.get(gated, 0), out.data_ptr(), torch.get_num_threads())
+                                  GATED_ACTIVATIONS.get(gated, 0), int(split_inputs), out.data_ptr(),
+                                  torch.get_num_threads())
     return out

@@ -5,7 +5,11 @@ Two modes (`QUANTIZATION_MODES`, the engine's `quantization` option):
 
 - ``int8`` (W8A8): ``x @ weight.T`` as ``(q(x * smoothing) . values) * x_scale * weight_scale``,
   the int8 products summed exactly in int32; `smoothing` (SmoothQuant's, from the inputs' ranges
-  in a calibration pass) moves outlier input channels' range into the weights. On a CPU with
+  in a calibration pass) moves outlier input channels' range into the weights. With
+  `split_inputs` (the LM head) each row is quantized in two parts, the row, then what its
+  rounding left (``e = x - q * x_scale``, rounded once), and the two products added: the
+  inputs' rounding error about 1/127 of int8's, so the product is about as exact as the
+  weight-only one, at twice the products (at a decode step's rows the weight's bytes bound it). On a CPU with
   AVX512-VNNI or AMX-INT8, `int8_gemm`'s C kernel; elsewhere (CUDA) ``torch._int_mm``. Both
   compute exactly the same values.
 - ``int8-weight`` (weight only): the activations stay bf16; each product reads int8 weights and
@@ -54,6 +58,7 @@ class Int8Weight:
     compensation: torch.Tensor | None = None
     smoothing: torch.Tensor | None = None  # [k] float32: W8A8 inputs are multiplied by it before quantizing
     gated: str | None = None  # int8_gemm.GATED_ACTIVATIONS' key: rows [gate; up] in gated_order, product act(gate) * up
+    split_inputs: bool = False  # W8A8 inputs in two int8 parts: the row and what its rounding left
 
 
 def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor | None = None,
@@ -123,13 +128,21 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     out_features = len(weight.scales)
     if weight.panels is not None and weight.activations_quantized:
         return int8_gemm.linear(x, weight.panels, weight.compensation, weight.scales, bias, out_features,
-                                weight.smoothing, weight.gated)
+                                weight.smoothing, weight.gated, weight.split_inputs)
     if not weight.activations_quantized:
         return weight_only_linear(x, weight, bias)
-    q, x_scales = quantize_rows(x if weight.smoothing is None else x.float() * weight.smoothing)
-    sums = _int_mm(q, weight.values.T)
-    out = sums.float() * (x_scales[:, None] * weight.scales[None, :])
+    inputs = x.float() if weight.smoothing is None else x.float() * weight.smoothing
+    q, x_scales = quantize_rows(inputs)
+    out = _scaled_product(q, x_scales, weight)
+    if weight.split_inputs:  # exact in float64 (q * scale holds 31 bits), then rounded once, as the kernel's FMA
+        left = (inputs.double() - q.double() * x_scales.double()[:, None]).float()
+        out = out + _scaled_product(*quantize_rows(left), weight)
     return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def _scaled_product(q: torch.Tensor, x_scales: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """float32 ``(q @ values.T) * x_scales * scales``: the int32 sums, then two products."""
+    return _int_mm(q, weight.values.T).float() * (x_scales[:, None] * weight.scales[None, :])
 
 
 def weight_only_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

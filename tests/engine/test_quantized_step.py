@@ -29,13 +29,13 @@ PROJECTIONS = tuple(name for group in PRODUCT_GROUPS for name in group)
 
 class TorchInt8Linear(nn.Module):
     """A linear layer computing `mode`'s quantization through `int8_linear`'s torch path, its
-    inputs times `smoothing` where given."""
+    inputs times `smoothing` where given (in two parts with `split_inputs`)."""
 
-    def __init__(self, linear: nn.Linear, mode: str, smoothing: torch.Tensor | None):
+    def __init__(self, linear: nn.Linear, mode: str, smoothing: torch.Tensor | None, split_inputs: bool = False):
         super().__init__()
         weight = linear.weight if smoothing is None else linear.weight.float() / smoothing
         values, scales = quantized_channels(weight, mode)
-        self.weight = Int8Weight(values, scales, mode == "int8", smoothing=smoothing)
+        self.weight = Int8Weight(values, scales, mode == "int8", smoothing=smoothing, split_inputs=split_inputs)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,9 +44,9 @@ class TorchInt8Linear(nn.Module):
 
 
 def with_torch_int8_linears(model, mode: str):
-    """A copy of `model` whose decoder layers' projections compute `mode` in torch (the LM head
-    not); for int8, each group of projections that share an input (and a merged product in the
-    fused step) smoothed from the calibrated range of that input."""
+    """A copy of `model` whose decoder layers' projections compute `mode` in torch; for int8, each
+    group of projections that share an input (and a merged product in the fused step) smoothed
+    from the calibrated range of that input, and the LM head with its inputs in two parts."""
     ranges = calibration.input_ranges(model, [m for m in model.modules() if isinstance(m, nn.Linear)])
     layer_ranges = ranges_layers(ranges, model)
     model = copy.deepcopy(model)
@@ -59,6 +59,8 @@ def with_torch_int8_linears(model, mode: str):
             for name in group:
                 parent = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
                 setattr(parent, name, TorchInt8Linear(getattr(parent, name), mode, smoothing))
+    if mode == "int8":
+        model.lm_head = TorchInt8Linear(model.lm_head, mode, None, split_inputs=True)
     return model
 
 
@@ -105,20 +107,22 @@ def test_the_gated_mlp_product_gives_the_unfused_steps_logits(monkeypatch, famil
     assert all(layer.mlp_in.gated == activation for layer in runner.fused.layers)
     got = step_logits(model, quantization="int8")
     pack_weights = fused_decoder.pack_weights
-    monkeypatch.setattr(fused_decoder, "pack_weights", lambda *args: pack_weights(*args[:4]))  # never gated
+    monkeypatch.setattr(fused_decoder, "pack_weights", lambda *args: pack_weights(*args[:4], None, *args[5:]))  # never gated
     assert torch.equal(got, step_logits(model, quantization="int8"))
 
 
-def test_only_the_decoder_layers_are_quantized_once_at_load():
+def test_the_decoder_layers_and_the_lm_head_are_quantized_once_at_load():
     model = bf16_model()
     before = {name: p.clone() for name, p in model.state_dict().items()}
     fused = FusedDecoder.build(model, "int8")
     assert all(weight.int8 is not None and weight.int8.activations_quantized and weight.int8.smoothing is not None
                for layer in fused.layers for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out))
-    assert fused.lm_head.int8 is None
+    lm_head = fused.lm_head.int8
+    assert lm_head.activations_quantized and lm_head.split_inputs and lm_head.smoothing is None
     assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
-    weight_only = FusedDecoder.build(model, "int8-weight").layers[0].qkv.int8
-    assert not weight_only.activations_quantized and weight_only.smoothing is None
+    weight_only = FusedDecoder.build(model, "int8-weight")
+    assert not weight_only.layers[0].qkv.int8.activations_quantized and weight_only.layers[0].qkv.int8.smoothing is None
+    assert weight_only.lm_head.int8 is None  # weight-only keeps the LM head in bf16
 
 
 def test_calibration_is_deterministic_and_leaves_the_model_as_it_was():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -127,3 +129,37 @@ def test_a_gated_product_is_the_activation_pass_over_the_plain_product_bit_for_b
     assert torch.equal(got, expected)
     odd = int8_linear.quantize_weight(random_bf16(2 * 40, 64, seed=6), "int8", gated=activation)
     assert odd.gated is None  # halves of 40 rows are no whole blocks: the plain product
+
+
+def split(weight: int8_linear.Int8Weight) -> int8_linear.Int8Weight:
+    return dataclasses.replace(weight, split_inputs=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 33, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_split_product_equals_torchs_split_of_the_same_quantization(rows, threads):
+    magnitudes = torch.logspace(-3, 3, rows)[:, None].bfloat16()
+    x = random_bf16(rows, 578, seed=rows) * magnitudes
+    x[rows // 2] = 0
+    weight, bias = random_bf16(97, 578, seed=7), random_bf16(97, seed=8)
+    packed = split(int8_linear.quantize_weight(weight, "int8"))
+    assert packed.panels is not None
+    with torch_threads(threads):
+        got = int8_linear.int8_linear(x, packed, bias)
+    values, scales = int8_linear.quantized_channels(weight, "int8")
+    expected = int8_linear.int8_linear(x, split(int8_linear.Int8Weight(values, scales, True)), bias)
+    assert got.shape == (rows, 97)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[rows // 2], bias)
+
+
+def test_split_inputs_leave_about_the_weights_rounding_alone():
+    x, weight = random_bf16(64, 576, seed=0), random_bf16(960, 576, seed=1)
+    packed = int8_linear.quantize_weight(weight, "int8")
+    values, scales = int8_linear.quantized_channels(weight, "int8")
+    weight_only = x.float() @ (values.float() * scales[:, None]).T  # only the weight rounded
+    plain = int8_linear.int8_linear(x, packed, None).float()
+    halves = int8_linear.int8_linear(x, split(packed), None).float()
+    output_rounding = (weight_only.bfloat16().float() - weight_only).norm()  # the bf16 result's own
+    assert (halves - weight_only).norm() < 1.05 * output_rounding
+    assert (plain - weight_only).norm() > 4 * output_rounding

@@ -16,7 +16,17 @@
  *                                GATED_GELU_TANH), the weight's rows are [gate; up] halves
  *                                interleaved per 16 (`int8_gemm.gated_order`) and out[m, n / 2] =
  *                                bf16(act(gate) * up) of those bf16 values, as decoder_ops'
- *                                bg_silu_mul / bg_gelu_tanh_mul compute it (`lanes16.h`)
+ *                                bg_silu_mul / bg_gelu_tanh_mul compute it (`lanes16.h`);
+ *                                with `split`, each row is quantized in two parts, y[r] as above
+ *                                (q, x_scale), then what that rounding left, e[r] = y[r] - q[r] *
+ *                                x_scale[r] (one rounding: a fused multiply-add), quantized alike
+ *                                (q', x_scale'), and out[m, n] = bf16(float(q[m] . w[n]) * (x_scale[m]
+ *                                * w_scale[n]) + float(q'[m] . w[n]) * (x_scale'[m] * w_scale[n]) +
+ *                                bias[n]): the inputs' rounding error about 1/127 of int8's, for twice
+ *                                the products (no `gated` with it)
+ *
+ * A split product runs as a product of 2m quantized rows, each row's two parts side by side (rows
+ * 2r and 2r + 1), and its epilogue adds the two parts' scaled sums into out's row r.
  *
  * Inputs come in multiples of INPUT_MULTIPLE (64, one AMX tile row of int8): the weight and the
  * quantized rows are padded with zeros to it, so any number of inputs is taken.
@@ -81,16 +91,28 @@ static inline Columns columns_at(const float *w_scales, const uint16_t *bias, in
     return columns;
 }
 
+/* One row's 16 columns from their exact int32 sums, times their row's and columns' scales. */
+static inline __m512 unbiased(__m512i sums, float x_scale, Columns columns) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_set1_ps(x_scale), columns.w_scales));
+}
+
 /* One row's 16 columns from their exact int32 sums: scaled, bias added (adding a bias of zeros
  * changes no value), before their rounding to bf16. */
 static inline __m512 scaled(__m512i sums, float x_scale, Columns columns) {
-    __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_set1_ps(x_scale), columns.w_scales));
-    return _mm512_add_ps(value, columns.bias);
+    return _mm512_add_ps(unbiased(sums, x_scale, columns), columns.bias);
 }
 
 /* One row's 16 columns, `scaled`, rounded to bf16 and stored; columns past n left alone. */
 static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Columns columns, int64_t col) {
     _mm256_mask_storeu_epi16(out + col, columns.mask, to_bf16x16(scaled(sums, x_scale, columns)));
+}
+
+/* One split row's 16 columns from its two parts' sums (`bg_int8_linear`'s `split`), each scaled,
+ * added, then the bias, rounded to bf16 and stored. */
+static inline void store_split_block(uint16_t *out, __m512i sums, __m512i rest_sums, const float *x_scales,
+                                     Columns columns, int64_t col) {
+    __m512 value = _mm512_add_ps(unbiased(sums, x_scales[0], columns), unbiased(rest_sums, x_scales[1], columns));
+    _mm256_mask_storeu_epi16(out + col, columns.mask, to_bf16x16(_mm512_add_ps(value, columns.bias)));
 }
 
 /* One row's 16 outputs of a `gated` product from its 16 gate columns' and their 16 up columns'
@@ -110,24 +132,43 @@ static inline __m512 input_at(const uint16_t *x, const float *smoothing, int64_t
     return smoothing != 0 ? _mm512_mul_ps(value, _mm512_maskz_loadu_ps(mask, smoothing + i)) : value;
 }
 
-/* Row x quantized into q: its input i at q[(i / 64) * chunk_stride + i % 64] (chunk_stride 64: one
- * contiguous row), zeros for inputs [k, q_length). */
-static void quantize_row(const uint16_t *x, const float *smoothing, int64_t k, int8_t *q, int64_t q_length,
-                         int64_t chunk_stride, float *scale) {
+/* A row's quantization: its scale and 127 / max|value| (0 for a row of zeros). */
+typedef struct {
+    float scale, inverse;
+} Quantization;
+
+/* What is left to quantize of x[i, i + 16) (`input_at`): the inputs themselves where `taken` is
+ * NULL, else what `taken`'s rounding left of them (value - round(value * inverse) * scale, one
+ * rounding). */
+static inline __m512 left_at(const uint16_t *x, const float *smoothing, int64_t i, __mmask16 mask,
+                             const Quantization *taken) {
+    __m512 value = input_at(x, smoothing, i, mask);
+    if (taken == 0) return value;
+    __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(value, _mm512_set1_ps(taken->inverse)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_fnmadd_ps(rounded, _mm512_set1_ps(taken->scale), value);
+}
+
+/* Row x (what `taken` left of it, where given: `left_at`) quantized into q: its input i at
+ * q[(i / 64) * chunk_stride + i % 64] (chunk_stride 64: one contiguous row), zeros for inputs [k,
+ * q_length); returns the quantization. */
+static Quantization quantize_row(const uint16_t *x, const float *smoothing, const Quantization *taken, int64_t k,
+                                 int8_t *q, int64_t q_length, int64_t chunk_stride) {
     __m512 peak = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16)
-        peak = _mm512_max_ps(peak, _mm512_abs_ps(input_at(x, smoothing, i, column_mask(i, k))));
+        peak = _mm512_max_ps(peak, _mm512_abs_ps(left_at(x, smoothing, i, column_mask(i, k), taken)));
     float absmax = _mm512_reduce_max_ps(peak);
-    float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
-    *scale = absmax / 127.0f;
+    Quantization quantization = {absmax / 127.0f, absmax > 0.0f ? 127.0f / absmax : 0.0f};
     for (int64_t i = 0; i < k; i += 16) {
         __mmask16 mask = column_mask(i, k);
-        __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(input_at(x, smoothing, i, mask), _mm512_set1_ps(inverse)));
+        __m512i rounded = _mm512_cvtps_epi32(
+            _mm512_mul_ps(left_at(x, smoothing, i, mask, taken), _mm512_set1_ps(quantization.inverse)));
         /* a narrowing store to memory is slow */
         _mm_mask_storeu_epi8(q + i / INPUT_MULTIPLE * chunk_stride + i % INPUT_MULTIPLE, mask,
                              _mm512_cvtsepi32_epi8(rounded));
     }
     for (int64_t i = k; i < q_length; i++) q[i / INPUT_MULTIPLE * chunk_stride + i % INPUT_MULTIPLE] = 0;
+    return quantization;
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -173,27 +214,33 @@ static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t 
     }
 }
 
+/* Row r's 16 sums of a block's left (half 0) or right (half 1) columns in `block`'s tiles. */
+static inline __m512i block_sums(const int32_t *sums, int r, int half) {
+    return _mm512_load_si512(sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16) + half * 256);
+}
+
 /* One block's sums (`block`'s four tiles) scaled into out's rows [row, row + rows) and panel p's
  * columns; `gated`: the panel's 16 gate and 16 up columns into outputs [16p, 16p + 16) of rows
- * n / 2 wide. */
+ * n / 2 wide; `split`: rows 2i and 2i + 1 (two parts of one row) into out's row row / 2 + i. */
 static void store_sums(const int32_t *sums, int rows, int64_t row, int64_t p, const float *x_scales,
-                       const float *w_scales, const uint16_t *bias, int64_t n, int gated, uint16_t *out) {
+                       const float *w_scales, const uint16_t *bias, int64_t n, int gated, int split, uint16_t *out) {
     if (gated) {
         const Columns gate = columns_at(w_scales, 0, p * PANEL_COLUMNS, n);
         const Columns up = columns_at(w_scales, 0, p * PANEL_COLUMNS + BLOCK_COLUMNS, n);
-        for (int r = 0; r < rows; r++) {
-            const int32_t *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16);
-            store_gated_block(out + (row + r) * (n / 2) + p * BLOCK_COLUMNS, _mm512_load_si512(tile_row),
-                              _mm512_load_si512(tile_row + 256), x_scales[row + r], gate, up, gated);
-        }
+        for (int r = 0; r < rows; r++)
+            store_gated_block(out + (row + r) * (n / 2) + p * BLOCK_COLUMNS, block_sums(sums, r, 0),
+                              block_sums(sums, r, 1), x_scales[row + r], gate, up, gated);
         return;
     }
     for (int half = 0; half < 2 && p * PANEL_COLUMNS + half * BLOCK_COLUMNS < n; half++) {
         const int64_t col = p * PANEL_COLUMNS + half * BLOCK_COLUMNS;
         const Columns columns = columns_at(w_scales, bias, col, n);
-        for (int r = 0; r < rows; r++) {
-            const int32_t *tile_row = sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16) + half * 256;
-            store_block(out + (row + r) * n, _mm512_load_si512(tile_row), x_scales[row + r], columns, col);
+        for (int r = 0; r < rows; r += split ? 2 : 1) {
+            if (split)
+                store_split_block(out + (row + r) / 2 * n, block_sums(sums, r, half), block_sums(sums, r + 1, half),
+                                  x_scales + row + r, columns, col);
+            else
+                store_block(out + (row + r) * n, block_sums(sums, r, half), x_scales[row + r], columns, col);
         }
     }
 }
@@ -201,7 +248,7 @@ static void store_sums(const int32_t *sums, int rows, int64_t row, int64_t p, co
 /* Rows [first_row, last_row) over panels [first, last), in blocks of `rows` (the tiles are
  * configured for it). The blocks of a panel ask for the next panel's weight into L2. */
 static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const int8_t *weight, const float *w_scales,
-                     const uint16_t *bias, int64_t n, int gated, uint16_t *out, int64_t first, int64_t last,
+                     const uint16_t *bias, int64_t n, int gated, int split, uint16_t *out, int64_t first, int64_t last,
                      int64_t first_row, int64_t last_row, int rows) {
     int32_t sums[4 * 256] __attribute__((aligned(64)));
     int top = rows < 16 ? rows : 16, bottom = rows - top;
@@ -214,26 +261,26 @@ static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const in
             int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
             block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES,
                   to - from, sums);
-            store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, gated, out);
+            store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, gated, split, out);
         }
     }
 }
 
 static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
                         const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
-                        int gated, uint16_t *out, int64_t first, int64_t last) {
+                        int gated, int split, uint16_t *out, int64_t first, int64_t last) {
     (void)compensation; /* tdpbssd multiplies signed by signed */
     int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
     if (full_rows > 0) {
         configure_block_tiles(16, 16);
         for (int64_t start = 0; start < full_rows; start += SUPER_ROWS)
-            row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, out, first, last, start,
+            row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, split, out, first, last, start,
                      start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows, BLOCK_ROWS);
     }
     if (m > full_rows) {
         int rows = (int)(m - full_rows);
         configure_block_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
-        row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, out, first, last, full_rows, m, rows);
+        row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, split, out, first, last, full_rows, m, rows);
     }
     _tile_release();
 }
@@ -256,10 +303,12 @@ static int8_t *quantized_row(int8_t *q, int64_t m, int64_t k, int64_t r, int64_t
 
 /* Rows [0, rows) of q (row stride k) times one panel, into out's columns [col, col + PANEL_COLUMNS)
  * (`gated`: each pair of 16 gate and 16 up columns into 16 outputs, from col / 2, of rows n / 2
- * wide); rows past `rows` read row rows - 1 and are not stored. */
+ * wide; `split`: rows 2i and 2i + 1, two parts of one row, into out's row i); rows past `rows`
+ * read row rows - 1 and are not stored. */
 static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, const int8_t *panel,
                  const char *ahead, int64_t ahead_lines, int64_t per_quad, const float *w_scales,
-                 const int32_t *compensation, const uint16_t *bias, int gated, uint16_t *out, int64_t col, int64_t n) {
+                 const int32_t *compensation, const uint16_t *bias, int gated, int split, uint16_t *out, int64_t col,
+                 int64_t n) {
     __m512i acc[TILE_ROWS][PANEL_BLOCKS];
     const int32_t *quads[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) {
@@ -291,14 +340,18 @@ static void tile(const int8_t *q, const float *x_scales, int64_t k, int rows, co
                                   x_scales[r], columns, up, gated);
             continue;
         }
-        for (int r = 0; r < rows; r++)
-            store_block(out + r * n, acc[r][j], x_scales[r], columns, col + j * BLOCK_COLUMNS);
+        for (int r = 0; r < rows; r += split ? 2 : 1) {
+            if (split)
+                store_split_block(out + r / 2 * n, acc[r][j], acc[r + 1][j], x_scales + r, columns, col + j * BLOCK_COLUMNS);
+            else
+                store_block(out + r * n, acc[r][j], x_scales[r], columns, col + j * BLOCK_COLUMNS);
+        }
     }
 }
 
 static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
                         const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
-                        int gated, uint16_t *out, int64_t first, int64_t last) {
+                        int gated, int split, uint16_t *out, int64_t first, int64_t last) {
     const int64_t panel_bytes = k * PANEL_COLUMNS, panel_lines = panel_bytes / LINE_BYTES;
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t lines_per_tile = tiles <= MAX_PREFETCH_TILES ? (panel_lines + tiles - 1) / tiles : 0;
@@ -311,8 +364,8 @@ static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64
             int64_t lines = next_lines - asked < lines_per_tile ? next_lines - asked : lines_per_tile;
             int rows = (int)(m - row < TILE_ROWS ? m - row : TILE_ROWS);
             tile(q + row * k, x_scales + row, k, rows, panel, (const char *)(panel + panel_bytes) + asked * LINE_BYTES,
-                 lines > 0 ? lines : 0, per_quad, w_scales, compensation, bias, gated, out + row * (gated ? n / 2 : n),
-                 p * PANEL_COLUMNS, n);
+                 lines > 0 ? lines : 0, per_quad, w_scales, compensation, bias, gated, split,
+                 out + (split ? row / 2 : row) * (gated ? n / 2 : n), p * PANEL_COLUMNS, n);
         }
     }
 }
@@ -337,12 +390,13 @@ int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
  * (scratch the caller allocates; k_padded a multiple of INPUT_MULTIPLE, >= k); weight packed as
  * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
  * sum); bias [n] bf16 or NULL; out [m, n] bf16, or with `gated` other than GATED_NONE (n a
- * multiple of 32, no bias) [m, n / 2]. Each thread quantizes a share of the rows, then all
- * compute their panels. m may be 0: nothing is computed. */
+ * multiple of 32, no bias) [m, n / 2]; with `split` (no `gated`), q and x_scales hold 2m rows,
+ * each row's two parts. Each thread quantizes a share of the rows, then all compute their
+ * panels. m may be 0: nothing is computed. */
 void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const float *smoothing, int8_t *q,
                     float *x_scales,
                     int64_t k_padded, const int8_t *weight, const float *w_scales, const int32_t *compensation,
-                    const uint16_t *bias, int64_t n, int gated, uint16_t *out, int num_threads) {
+                    const uint16_t *bias, int64_t n, int gated, int split, uint16_t *out, int num_threads) {
     if (m < 1) return;
     int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     if (num_threads > panels) num_threads = (int)panels;
@@ -350,14 +404,20 @@ void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t parts = split ? 2 : 1;
         for (int64_t r = m * thread / team; r < m * (thread + 1) / team; r++) {
-            int64_t chunk_stride;
-            int8_t *row = quantized_row(q, m, k_padded, r, &chunk_stride);
-            quantize_row(x + r * x_stride, smoothing, k, row, k_padded, chunk_stride, x_scales + r);
+            int64_t chunk_stride, at = r * parts;
+            int8_t *row = quantized_row(q, m * parts, k_padded, at, &chunk_stride);
+            Quantization first = quantize_row(x + r * x_stride, smoothing, 0, k, row, k_padded, chunk_stride);
+            x_scales[at] = first.scale;
+            if (split) {
+                row = quantized_row(q, m * parts, k_padded, at + 1, &chunk_stride);
+                x_scales[at + 1] = quantize_row(x + r * x_stride, smoothing, &first, k, row, k_padded, chunk_stride).scale;
+            }
         }
 #pragma omp barrier
-        panel_range(q, x_scales, m, k_padded, weight, w_scales, compensation, bias, n, gated, out, panels * thread / team,
-                    panels * (thread + 1) / team);
+        panel_range(q, x_scales, m * parts, k_padded, weight, w_scales, compensation, bias, n, gated, split, out,
+                    panels * thread / team, panels * (thread + 1) / team);
     }
 }
 
