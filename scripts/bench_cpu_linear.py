@@ -1,6 +1,7 @@
 """Micro-benchmark: one layer's linear products through torch's GEMM, oneDNN-packed weights and,
-in bf16 where they run, batchgen's bf16 GEMM kernel, its int8 (W8A8) kernel and the int8-weight
-products (CPU).
+in bf16 where they run, batchgen's bf16 GEMM kernel, its int8 (W8A8) kernel, the same with each
+input row in two int8 parts (`split_inputs`, as `quantization: int8` runs the LM head) and the
+int8-weight products (CPU).
 
 The weights are SmolLM2-135M's (q, k, v, o, gate, up, down of one layer, plus the 49152-row
 lm_head), each product at several row counts (decode batches and a prefill chunk). Every
@@ -26,10 +27,11 @@ import torch.nn.functional as F
 from bench_cpu_attention import median_ms
 
 from batchgen.kernels import bf16_gemm, decoder_ops, int8_gemm
+from batchgen.kernels.cpu_linear import with_split_inputs
 from batchgen.kernels.int8_linear import int8_linear, quantize_weight
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, NUM_LAYERS = 576, 1536, 192, 49152, 30
-QUANTIZED = ("int8_gemm", "int8-weight")  # their results differ from torch's by the quantization
+QUANTIZED = ("int8_gemm", "int8-split", "int8-weight")  # their results differ from torch's by the quantization
 LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),
                 (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
@@ -48,6 +50,8 @@ def gemms(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list]:
                                 for w in weights]
     if dtype == torch.bfloat16 and int8_gemm.is_available():
         found["int8_gemm"] = [lambda x, p=quantize_weight(w, "int8"): int8_linear(x, p, None) for w in weights]
+        found["int8-split"] = [lambda x, p=with_split_inputs(quantize_weight(w, "int8"), True): int8_linear(x, p, None)
+                               for w in weights]
     if dtype == torch.bfloat16:  # quantization: int8-weight's products (torch's _weight_int8pack_mm)
         found["int8-weight"] = [lambda x, p=quantize_weight(w, "int8-weight"): int8_linear(x, p, None) for w in weights]
     return found

@@ -226,6 +226,7 @@ def test_cpu_linear_bench_in_bf16_adds_the_kernel_where_it_runs(capsys):
         return
     lines = capsys.readouterr().out.splitlines()
     assert ("bf16_gemm ms" in lines[1]) == bf16_gemm.is_available() and "int8-weight ms" in lines[1]
+    assert ("int8-split ms" in lines[1]) == int8_gemm.is_available()  # the LM head's W8A8 form beside W8A8
     products = [line for line in lines if line.split()[:1] in (["layer"], ["lm_head"])]
     assert [line.split()[:2] for line in products] == [["layer", "3"], ["lm_head", "3"]]
     assert all(float(line.split()[-1]) < 1e-2 for line in products)  # bf16 rounding, not a wrong product
