@@ -125,5 +125,6 @@ def test_quantization_names_the_products_each_mode_runs_on(facts):
     assert facts["quantization"].startswith(expected_int8)
     weight_only = ("bf16_gemm.c (int8 panels widened to bf16)" if bf16_gemm.is_available()
                    else "torch _weight_int8pack_mm")
-    assert f"int8-weight: {weight_only}" in facts["quantization"]
+    assert f"int8-weight: {weight_only}, the LM head in bf16" in facts["quantization"]
+    assert "the LM head's inputs in two int8 parts" in facts["quantization"]
     assert f"quantization  {facts['quantization']}" in invoke("info").stdout.splitlines()

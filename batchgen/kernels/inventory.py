@@ -190,7 +190,7 @@ def describe_quantization() -> str:
     int8 = f"int8_gemm.c ({instructions})" if instructions else "torch._int_mm (no int8 kernel here)"
     weight_only = ("bf16_gemm.c (int8 panels widened to bf16)" if bf16_gemm.is_available()
                    else "torch _weight_int8pack_mm (no bf16 kernel here)")
-    return f"int8: {int8}; int8-weight: {weight_only}"
+    return f"int8: {int8}, the LM head's inputs in two int8 parts; int8-weight: {weight_only}, the LM head in bf16"
 
 
 def _function_name(function: Callable) -> str:
