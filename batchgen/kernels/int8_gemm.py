@@ -107,6 +107,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
     of GATED_ACTIVATIONS; no bias): `weight` is [gate; up] in `gated_order`, and the result
     act(gate) * up, out_features / 2 wide. `split_inputs` (no `gated`): each row in two int8 parts,
     the row and what its rounding left (``csrc/int8_gemm.c``), twice the products."""
+    if split_inputs and gated:
+        raise ValueError("a product takes split inputs or a gated epilogue, not both")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape

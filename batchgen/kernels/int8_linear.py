@@ -9,9 +9,9 @@ Two modes (`QUANTIZATION_MODES`, the engine's `quantization` option):
   `split_inputs` (the LM head) each row is quantized in two parts, the row, then what its
   rounding left (``e = x - q * x_scale``, rounded once), and the two products added: the
   inputs' rounding error about 1/127 of int8's, so the product is about as exact as the
-  weight-only one, at twice the products (at a decode step's rows the weight's bytes bound it). On a CPU with
-  AVX512-VNNI or AMX-INT8, `int8_gemm`'s C kernel; elsewhere (CUDA) ``torch._int_mm``. Both
-  compute exactly the same values.
+  weight-only one, at twice the products (at a decode step's rows the weight's bytes bound it).
+  On a CPU with AVX512-VNNI or AMX-INT8, `int8_gemm`'s C kernel; elsewhere (CUDA)
+  ``torch._int_mm``. Both compute exactly the same values.
 - ``int8-weight`` (weight only): the activations stay bf16; each product reads int8 weights and
   bf16 per-channel scales (so the weight is quantized against its bf16-rounded scale): on a CPU
   with the bf16 kernel, `bf16_gemm.linear_int8_weight` (int8 panels widened to bf16 as they are

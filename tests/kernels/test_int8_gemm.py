@@ -163,3 +163,10 @@ def test_split_inputs_leave_about_the_weights_rounding_alone():
     output_rounding = (weight_only.bfloat16().float() - weight_only).norm()  # the bf16 result's own
     assert (halves - weight_only).norm() < 1.05 * output_rounding
     assert (plain - weight_only).norm() > 4 * output_rounding
+
+
+def test_a_product_takes_split_inputs_or_a_gated_epilogue_not_both():
+    gated = int8_linear.quantize_weight(random_bf16(2 * 32, 64, seed=9), "int8", gated="silu")
+    assert gated.gated == "silu"
+    with pytest.raises(ValueError, match="split inputs or a gated epilogue, not both"):
+        int8_linear.int8_linear(random_bf16(3, 64, seed=10), split(gated), None)
