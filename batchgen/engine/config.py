@@ -81,11 +81,12 @@ class EngineConfig:
     quantization: str = option("none", one_of(*QUANTIZATION_MODES))
     """The fused step's linear layers in int8, for a bfloat16 model: `none`; `int8`: weights per
     output channel and activations per token (W8A8), int8 products on AVX512-VNNI or AMX-INT8 on a
-    CPU (`torch._int_mm` on CUDA), the LM head's activations in two int8 parts (the row, then what
-    its rounding left); `int8-weight`: int8 weights, bfloat16 activations (the LM head stays
-    bfloat16). A GGUF model (Llama-like, dense MLPs) then loads its products from the
-    file's blocks straight to int8, tensor by tensor, never the float32 model. Opt-in: the outputs
-    differ from bfloat16's (quality, speed and load memory against it in the performance page)."""
+    CPU (`torch._int_mm` on CUDA), on a CPU the LM head's too, its activations in two int8 parts
+    (the row, then what its rounding left); `int8-weight`: int8 weights, bfloat16 activations (the
+    LM head stays bfloat16). A GGUF model (Llama-like, dense MLPs) then loads its products from
+    the file's blocks straight to int8, tensor by tensor, never the float32 model. Opt-in: the
+    outputs differ from bfloat16's (quality, speed and load memory against it in the performance
+    page)."""
     cuda_graphs: bool = option(True, true_or_false)
     """CUDA with the Triton decode kernel: decode-only steps replay CUDA graphs, captured once per batch
     and block-table size bucket; false runs every step eagerly."""

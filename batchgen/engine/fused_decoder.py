@@ -21,8 +21,8 @@ Invariants:
   with the C ops built here, on CUDA in float32, bfloat16 or float16 with Triton; the engine then
   runs transformers' forward. With a `quantization` (int8 products: `int8_linear`) it raises
   instead, and for a float32 model too: quantized products run only here, on 16-bit models.
-  The experts stay in the model's dtype, and the LM head too but under ``int8``, where its
-  inputs go in two int8 parts (`int8_linear`'s `split_inputs`). It copies the weights it merges or
+  The experts stay in the model's dtype, and the LM head too but under ``int8`` on a CPU, where
+  its inputs go in two int8 parts (`int8_linear`'s `split_inputs`). It copies the weights it merges or
   packs (the model is untouched; later changes to those weights are not seen); on CUDA the o,
   down and output projections are the model's own tensors.
 - A step reads no host value of a device tensor on a Llama step's path: on CUDA it can be
@@ -109,6 +109,12 @@ def pack(linear: Linear | None, quantization: str, input_ranges: dict[nn.Module,
         return None
     input_absmax = None if input_ranges is None else input_ranges.get(linear.source)
     return pack_weights([linear.weight], [linear.bias], quantization, input_absmax, gated, split_inputs)
+
+
+def lm_head_quantization(quantization: str, device: torch.device) -> str:
+    """The LM head's: int8 (its inputs in two parts) under ``int8`` on a CPU; else the model's dtype
+    (int8-weight keeps it, and on CUDA ``torch._int_mm`` takes only vocabularies of a multiple of 8)."""
+    return "int8" if quantization == "int8" and device.type == "cpu" else "none"
 
 
 @dataclass
@@ -213,8 +219,7 @@ class FusedDecoder:
         self.layers = [FusedLayer.of(layer, weights.spec, layer_attention, key, quantization, ranges)
                        for layer, layer_attention, key in zip(weights.layers, attention, weights.rotary_keys)]
         self.final_norm = FusedNorm.of(weights.final_norm, weights.spec)
-        lm_head_quantization = "int8" if quantization == "int8" else "none"  # int8-weight keeps it bf16
-        self.lm_head = pack(weights.lm_head, lm_head_quantization, split_inputs=True)
+        self.lm_head = pack(weights.lm_head, lm_head_quantization(quantization, model.device), split_inputs=True)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.num_heads = weights.layers[0].qkv.weight.shape[0] // head_dim - 2 * num_kv_heads
         self.row_bucket = row_bucket([self.lm_head] + [weight for layer in self.layers

@@ -125,6 +125,14 @@ def test_the_decoder_layers_and_the_lm_head_are_quantized_once_at_load():
     assert weight_only.lm_head.int8 is None  # weight-only keeps the LM head in bf16
 
 
+def test_the_lm_head_is_int8_under_int8_on_a_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fused_decoder.lm_head_quantization("int8", cpu) == "int8"
+    assert fused_decoder.lm_head_quantization("int8", cuda) == "none"  # torch._int_mm: sizes of a multiple of 8
+    assert fused_decoder.lm_head_quantization("int8-weight", cpu) == "none"
+    assert fused_decoder.lm_head_quantization("none", cpu) == "none"
+
+
 def test_calibration_is_deterministic_and_leaves_the_model_as_it_was():
     model = bf16_model()
     attention = model.config._attn_implementation
