@@ -50,7 +50,10 @@
  * bytes and a block's row tiles one stream. A panel is one block's 32 columns, read as one
  * contiguous stream; the row blocks of a panel ask for the next panel's weight into L2, and rows
  * go SUPER_ROWS at a time so their int8 rows stay in L2 while the thread's panels pass (the bf16
- * kernel's AMX tiling).
+ * kernel's AMX tiling). A block's epilogue (its sums scaled, rounded and stored, a row's 32 columns
+ * one 64-byte store) runs in slices between the next block's tile products, its sums in the other
+ * of two buffers: the core overlaps vector work with tile products only where their instructions
+ * are interleaved.
  */
 #include <stdint.h>
 
@@ -75,7 +78,7 @@ enum { GATED_NONE = 0, GATED_SILU = 1, GATED_GELU_TANH = 2 }; /* bg_int8_linear'
 
 static inline __mmask16 column_mask(int64_t col, int64_t n) {
     int64_t left = n - col;
-    return left >= BLOCK_COLUMNS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    return left >= BLOCK_COLUMNS ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
 }
 
 /* 16 output columns' weight scales and bias (0 without one) as float32, read once for all rows. */
@@ -107,12 +110,17 @@ static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Colum
     _mm256_mask_storeu_epi16(out + col, columns.mask, to_bf16x16(scaled(sums, x_scale, columns)));
 }
 
-/* One split row's 16 columns from its two parts' sums (`bg_int8_linear`'s `split`), each scaled,
- * added, then the bias, rounded to bf16 and stored. */
+/* One split row's 16 columns from its two parts' sums (`bg_int8_linear`'s `split`): each scaled,
+ * added, then the bias, before their rounding to bf16. */
+static inline __m512 split_scaled(__m512i sums, __m512i rest_sums, const float *x_scales, Columns columns) {
+    __m512 value = _mm512_add_ps(unbiased(sums, x_scales[0], columns), unbiased(rest_sums, x_scales[1], columns));
+    return _mm512_add_ps(value, columns.bias);
+}
+
+/* `split_scaled`, rounded to bf16 and stored; columns past n left alone. */
 static inline void store_split_block(uint16_t *out, __m512i sums, __m512i rest_sums, const float *x_scales,
                                      Columns columns, int64_t col) {
-    __m512 value = _mm512_add_ps(unbiased(sums, x_scales[0], columns), unbiased(rest_sums, x_scales[1], columns));
-    _mm256_mask_storeu_epi16(out + col, columns.mask, to_bf16x16(_mm512_add_ps(value, columns.bias)));
+    _mm256_mask_storeu_epi16(out + col, columns.mask, to_bf16x16(split_scaled(sums, rest_sums, x_scales, columns)));
 }
 
 /* One row's 16 outputs of a `gated` product from its 16 gate columns' and their 16 up columns'
@@ -177,12 +185,73 @@ static Quantization quantize_row(const uint16_t *x, const float *smoothing, cons
 #define CHUNK_INPUTS 64                   /* inputs per tile product: 16 quads */
 #define BLOCK_ROWS 32                     /* two tiles of 16 rows */
 #define SUPER_ROWS 512                    /* rows that stay in L2 while the thread's panels pass */
+/* What a product's epilogue writes with: each row's scale, each column's scale and bias (or NULL),
+ * the columns n, the `gated` and `split` forms, the output. */
+typedef struct {
+    const float *x_scales, *w_scales;
+    const uint16_t *bias;
+    int64_t n;
+    int gated, split;
+    uint16_t *out;
+} Outputs;
+
+/* A block whose sums (`block`'s four tiles) are stored and wait for their epilogue: its `rows`
+ * rows from `row`, panel p. */
+typedef struct {
+    const int32_t *sums;
+    int rows;
+    int64_t row, p;
+} Stored;
+
+/* Row r's 16 sums of a block's left (half 0) or right (half 1) columns in `block`'s tiles. */
+static inline __m512i block_sums(const int32_t *sums, int r, int half) {
+    return _mm512_load_si512(sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16) + half * 256);
+}
+
+/* The rows a block's epilogue goes by: a split product's two parts of a row are one. */
+static inline int epilogue_units(const Outputs *o, int rows) { return o->split ? rows / 2 : rows; }
+
+/* Units [first, last) of a stored block's sums scaled into out: its rows and panel p's columns;
+ * `gated`: the panel's 16 gate and 16 up columns into outputs [16p, 16p + 16) of rows n / 2 wide;
+ * `split`: rows 2i and 2i + 1 (two parts of one row) into out's row row / 2 + i. A row's 32
+ * columns are one 64-byte store where they are all before n. */
+static void store_units(const Outputs *o, const Stored *b, int first, int last) {
+    const int64_t col = b->p * PANEL_COLUMNS, n = o->n;
+    if (o->gated) {
+        const Columns gate = columns_at(o->w_scales, 0, col, n), up = columns_at(o->w_scales, 0, col + BLOCK_COLUMNS, n);
+        for (int r = first; r < last; r++)
+            store_gated_block(o->out + (b->row + r) * (n / 2) + b->p * BLOCK_COLUMNS, block_sums(b->sums, r, 0),
+                              block_sums(b->sums, r, 1), o->x_scales[b->row + r], gate, up, o->gated);
+        return;
+    }
+    const Columns left = columns_at(o->w_scales, o->bias, col, n), right = columns_at(o->w_scales, o->bias, col + BLOCK_COLUMNS, n);
+    for (int unit = first; unit < last; unit++) {
+        const int r = o->split ? 2 * unit : unit;
+        const float *x_scales = o->x_scales + b->row + r;
+        uint16_t *out = o->out + (b->row + r) / (o->split ? 2 : 1) * n + col;
+        __m512 values[2];
+        for (int half = 0; half < 2; half++) {
+            const Columns columns = half ? right : left;
+            values[half] = o->split ? split_scaled(block_sums(b->sums, r, half), block_sums(b->sums, r + 1, half), x_scales, columns)
+                                    : scaled(block_sums(b->sums, r, half), x_scales[0], columns);
+        }
+        if (right.mask == 0xffff) {
+            _mm512_storeu_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(values[0])), to_bf16x16(values[1]), 1));
+            continue;
+        }
+        _mm256_mask_storeu_epi16(out, left.mask, to_bf16x16(values[0]));
+        _mm256_mask_storeu_epi16(out + BLOCK_COLUMNS, right.mask, to_bf16x16(values[1]));
+    }
+}
+
 /* One block: `top` rows of q in tile order (`quantized_row`: a 64-input tile every top * 64
  * bytes), and `bottom` rows (the next group's, 16 k bytes on), times the 32 panel columns at `w`,
  * into `sums` as four 16 x 16 int32 tiles (top left, top right, bottom left, bottom right); its
- * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly. */
+ * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly, and each stores a share of the
+ * `pending` block's epilogue (where given) while its tile products run: the vector work and the
+ * tiles' overlap only when their instructions are interleaved. */
 static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t *w, const char *ahead,
-                  int64_t ahead_lines, int32_t *sums) {
+                  int64_t ahead_lines, int32_t *sums, const Outputs *outputs, const Stored *pending) {
     const int64_t w_stride = PANEL_COLUMNS * 4, w_chunk = CHUNK_INPUTS * PANEL_COLUMNS;
     _tile_zero(C_TOP_LEFT);
     _tile_zero(C_TOP_RIGHT);
@@ -191,6 +260,7 @@ static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t 
         _tile_zero(C_BOTTOM_RIGHT);
     }
     const int64_t chunks = k / CHUNK_INPUTS, per_chunk = (ahead_lines + chunks - 1) / chunks;
+    const int units = pending ? epilogue_units(outputs, pending->rows) : 0;
     for (int64_t c = 0; c < chunks; c++) {
         const int8_t *chunk = w + c * w_chunk;
         for (int64_t line = c * per_chunk; line < (c + 1) * per_chunk && line < ahead_lines; line++)
@@ -205,6 +275,7 @@ static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t 
             _tile_dpbssd(C_BOTTOM_LEFT, X_BOTTOM, W_LEFT);
             _tile_dpbssd(C_BOTTOM_RIGHT, X_BOTTOM, W_RIGHT);
         }
+        if (pending) store_units(outputs, pending, (int)(units * c / chunks), (int)(units * (c + 1) / chunks));
     }
     _tile_stored(C_TOP_LEFT, sums, 64);
     _tile_stored(C_TOP_RIGHT, sums + 256, 64);
@@ -214,73 +285,47 @@ static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t 
     }
 }
 
-/* Row r's 16 sums of a block's left (half 0) or right (half 1) columns in `block`'s tiles. */
-static inline __m512i block_sums(const int32_t *sums, int r, int half) {
-    return _mm512_load_si512(sums + (r < 16 ? r * 16 : 512 + (r - 16) * 16) + half * 256);
-}
-
-/* One block's sums (`block`'s four tiles) scaled into out's rows [row, row + rows) and panel p's
- * columns; `gated`: the panel's 16 gate and 16 up columns into outputs [16p, 16p + 16) of rows
- * n / 2 wide; `split`: rows 2i and 2i + 1 (two parts of one row) into out's row row / 2 + i. */
-static void store_sums(const int32_t *sums, int rows, int64_t row, int64_t p, const float *x_scales,
-                       const float *w_scales, const uint16_t *bias, int64_t n, int gated, int split, uint16_t *out) {
-    if (gated) {
-        const Columns gate = columns_at(w_scales, 0, p * PANEL_COLUMNS, n);
-        const Columns up = columns_at(w_scales, 0, p * PANEL_COLUMNS + BLOCK_COLUMNS, n);
-        for (int r = 0; r < rows; r++)
-            store_gated_block(out + (row + r) * (n / 2) + p * BLOCK_COLUMNS, block_sums(sums, r, 0),
-                              block_sums(sums, r, 1), x_scales[row + r], gate, up, gated);
-        return;
-    }
-    for (int half = 0; half < 2 && p * PANEL_COLUMNS + half * BLOCK_COLUMNS < n; half++) {
-        const int64_t col = p * PANEL_COLUMNS + half * BLOCK_COLUMNS;
-        const Columns columns = columns_at(w_scales, bias, col, n);
-        for (int r = 0; r < rows; r += split ? 2 : 1) {
-            if (split)
-                store_split_block(out + (row + r) / 2 * n, block_sums(sums, r, half), block_sums(sums, r + 1, half),
-                                  x_scales + row + r, columns, col);
-            else
-                store_block(out + (row + r) * n, block_sums(sums, r, half), x_scales[row + r], columns, col);
-        }
-    }
-}
-
 /* Rows [first_row, last_row) over panels [first, last), in blocks of `rows` (the tiles are
- * configured for it). The blocks of a panel ask for the next panel's weight into L2. */
-static void row_pass(const int8_t *q, const float *x_scales, int64_t k, const int8_t *weight, const float *w_scales,
-                     const uint16_t *bias, int64_t n, int gated, int split, uint16_t *out, int64_t first, int64_t last,
-                     int64_t first_row, int64_t last_row, int rows) {
-    int32_t sums[4 * 256] __attribute__((aligned(64)));
+ * configured for it). The blocks of a panel ask for the next panel's weight into L2. Each block's
+ * epilogue runs during the next block's tile products (its sums in the other of two buffers), the
+ * last one's after them. */
+static void row_pass(const int8_t *q, int64_t k, const int8_t *weight, const Outputs *outputs, int64_t first,
+                     int64_t last, int64_t first_row, int64_t last_row, int rows) {
+    int32_t sums[2][4 * 256] __attribute__((aligned(64)));
     int top = rows < 16 ? rows : 16, bottom = rows - top;
     const int64_t panel_bytes = k * PANEL_COLUMNS, next_lines = panel_bytes / LINE_BYTES;
     const int64_t blocks = (last_row - first_row + rows - 1) / rows;
+    Stored pending = {0};
+    int buffer = 0;
     for (int64_t p = first; p < last; p++) {
         const int8_t *panel = weight + p * panel_bytes;
         const int64_t lines = p + 1 < last ? next_lines : 0;
-        for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++) {
+        for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++, buffer ^= 1) {
             int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
             block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES,
-                  to - from, sums);
-            store_sums(sums, rows, row, p, x_scales, w_scales, bias, n, gated, split, out);
+                  to - from, sums[buffer], outputs, pending.sums ? &pending : 0);
+            pending = (Stored){sums[buffer], rows, row, p};
         }
     }
+    if (pending.sums) store_units(outputs, &pending, 0, epilogue_units(outputs, pending.rows));
 }
 
 static void panel_range(const int8_t *q, const float *x_scales, int64_t m, int64_t k, const int8_t *weight,
                         const float *w_scales, const int32_t *compensation, const uint16_t *bias, int64_t n,
                         int gated, int split, uint16_t *out, int64_t first, int64_t last) {
     (void)compensation; /* tdpbssd multiplies signed by signed */
+    const Outputs outputs = {x_scales, w_scales, bias, n, gated, split, out};
     int64_t full_rows = m / BLOCK_ROWS * BLOCK_ROWS;
     if (full_rows > 0) {
         configure_block_tiles(16, 16);
         for (int64_t start = 0; start < full_rows; start += SUPER_ROWS)
-            row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, split, out, first, last, start,
-                     start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows, BLOCK_ROWS);
+            row_pass(q, k, weight, &outputs, first, last, start, start + SUPER_ROWS < full_rows ? start + SUPER_ROWS : full_rows,
+                     BLOCK_ROWS);
     }
     if (m > full_rows) {
         int rows = (int)(m - full_rows);
         configure_block_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
-        row_pass(q, x_scales, k, weight, w_scales, bias, n, gated, split, out, first, last, full_rows, m, rows);
+        row_pass(q, k, weight, &outputs, first, last, full_rows, m, rows);
     }
     _tile_release();
 }
