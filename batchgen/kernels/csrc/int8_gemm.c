@@ -50,10 +50,10 @@
  * bytes and a block's row tiles one stream. A panel is one block's 32 columns, read as one
  * contiguous stream; the row blocks of a panel ask for the next panel's weight into L2, and rows
  * go SUPER_ROWS at a time so their int8 rows stay in L2 while the thread's panels pass (the bf16
- * kernel's AMX tiling). A block's epilogue (its sums scaled, rounded and stored, a row's 32 columns
- * one 64-byte store) runs in slices between the next block's tile products, its sums in the other
- * of two buffers: the core overlaps vector work with tile products only where their instructions
- * are interleaved.
+ * kernel's AMX tiling). A block's epilogue scales, rounds and stores its sums, a row's 32 columns
+ * one 64-byte store; a gated product's (its activation: many vector operations a column) runs in
+ * slices between the next block's tile products, its sums in the other of two buffers, where the
+ * core overlaps some of it with them (a plain epilogue interleaved so slowed the tiles' loads).
  */
 #include <stdint.h>
 
@@ -248,8 +248,7 @@ static void store_units(const Outputs *o, const Stored *b, int first, int last) 
  * bytes), and `bottom` rows (the next group's, 16 k bytes on), times the 32 panel columns at `w`,
  * into `sums` as four 16 x 16 int32 tiles (top left, top right, bottom left, bottom right); its
  * chunks ask for `ahead_lines` lines from `ahead` into L2, evenly, and each stores a share of the
- * `pending` block's epilogue (where given) while its tile products run: the vector work and the
- * tiles' overlap only when their instructions are interleaved. */
+ * `pending` block's epilogue (where given) behind its tile products. */
 static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t *w, const char *ahead,
                   int64_t ahead_lines, int32_t *sums, const Outputs *outputs, const Stored *pending) {
     const int64_t w_stride = PANEL_COLUMNS * 4, w_chunk = CHUNK_INPUTS * PANEL_COLUMNS;
@@ -286,9 +285,9 @@ static void block(const int8_t *q, int64_t k, int top, int bottom, const int8_t 
 }
 
 /* Rows [first_row, last_row) over panels [first, last), in blocks of `rows` (the tiles are
- * configured for it). The blocks of a panel ask for the next panel's weight into L2. Each block's
- * epilogue runs during the next block's tile products (its sums in the other of two buffers), the
- * last one's after them. */
+ * configured for it). The blocks of a panel ask for the next panel's weight into L2. A gated
+ * block's epilogue runs during the next block's tile products (its sums in the other of two
+ * buffers), the last one's after them; a plain block's right after its own. */
 static void row_pass(const int8_t *q, int64_t k, const int8_t *weight, const Outputs *outputs, int64_t first,
                      int64_t last, int64_t first_row, int64_t last_row, int rows) {
     int32_t sums[2][4 * 256] __attribute__((aligned(64)));
@@ -305,6 +304,10 @@ static void row_pass(const int8_t *q, int64_t k, const int8_t *weight, const Out
             block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES,
                   to - from, sums[buffer], outputs, pending.sums ? &pending : 0);
             pending = (Stored){sums[buffer], rows, row, p};
+            if (!outputs->gated) {
+                store_units(outputs, &pending, 0, epilogue_units(outputs, rows));
+                pending.sums = 0;
+            }
         }
     }
     if (pending.sums) store_units(outputs, &pending, 0, epilogue_units(outputs, pending.rows));
