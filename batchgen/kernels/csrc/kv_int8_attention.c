@@ -266,11 +266,16 @@ static inline __attribute__((always_inline)) __m512 head_scores(const Layouts *l
     return _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(queries->scales[head])), key_scales(l, kv)[token_group]);
 }
 
-/* Up to 16 query heads attending a block together, one a lane: their head indices (in the item's
- * state) and kv heads. */
+/* Up to 16 query heads attending blocks together, one a lane: their head indices (in the item's
+ * state) and kv heads, and while they attend (`gather_lanes` .. `scatter_lanes`) each one's
+ * running softmax (the max of its scores, the sum of its weights) and query scale, lanes past n
+ * 0. */
 typedef struct {
     int heads[VECTOR], kvs[VECTOR];
     int n;
+    _Alignas(64) float max[VECTOR];
+    _Alignas(64) float total[VECTOR];
+    _Alignas(64) float query_scales[VECTOR];
 } Lanes;
 
 /* An item's state: its queries, each query head's running softmax (the max of its scores, the
@@ -292,6 +297,20 @@ typedef struct {
     _Alignas(64) int32_t products[MAX_CHUNKS * 4][VECTOR][VECTOR];  /* a tile product's int32 sums, a row a vector */
     __m512i weight_rows[VECTOR];                      /* a lane's 8-bit weights of the block, a row */
 } ItemState;
+
+/* Each lane's running softmax and query scale from its head's in the item's state. */
+static void gather_lanes(Lanes *lanes, const ItemState *state) {
+    for (int i = 0; i < VECTOR; i++) {
+        const int head = lanes->heads[i], real = i < lanes->n;
+        lanes->max[i] = real ? state->max[head] : 0.0f, lanes->total[i] = real ? state->total[head] : 0.0f;
+        lanes->query_scales[i] = real ? state->queries.scales[head] : 0.0f;
+    }
+}
+
+/* Each lane's running softmax back into its head's in the item's state. */
+static void scatter_lanes(const Lanes *lanes, ItemState *state) {
+    for (int i = 0; i < lanes->n; i++) state->max[lanes->heads[i]] = lanes->max[i], state->total[lanes->heads[i]] = lanes->total[i];
+}
 
 /* The block's scores and value scales of the lanes' heads, transposed so that token t's are
  * state->scores[t] and state->scales[t], a head a lane (lanes past n zero). */
@@ -317,12 +336,9 @@ static inline __attribute__((always_inline)) void lane_scores(const Lanes *lanes
  * softmax weight times its value row's scale) rounded to 8 bits against the head's largest of the
  * block, round(w * 255 / max w), into state->words (4 tokens a dword, zeros past the count); each
  * head's step and correction of its earlier sums into state->steps and state->corrections. */
-static inline void lane_weights(const Lanes *lanes, ItemState *state) {
+static inline void lane_weights(Lanes *lanes, ItemState *state) {
     const int count = state->layouts.count;
-    _Alignas(64) float maxes[VECTOR], totals[VECTOR];
-    for (int i = 0; i < VECTOR; i++)
-        maxes[i] = i < lanes->n ? state->max[lanes->heads[i]] : 0.0f, totals[i] = i < lanes->n ? state->total[lanes->heads[i]] : 0.0f;
-    const __m512 old_max = _mm512_load_ps(maxes);
+    const __m512 old_max = _mm512_load_ps(lanes->max);
     __m512 peak = _mm512_set1_ps(-3.0e38f);
     for (int t = 0; t < count; t++) peak = _mm512_max_ps(peak, state->scores[t]);
     const __m512 new_max = _mm512_max_ps(old_max, peak), correction = exp2_16(_mm512_sub_ps(old_max, new_max));
@@ -344,11 +360,10 @@ static inline void lane_weights(const Lanes *lanes, ItemState *state) {
                                                            8 * r));
         state->words[t / 4] = word;
     }
-    _mm512_store_ps(maxes, new_max);
-    _mm512_store_ps(totals, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(totals), correction), total));
+    _mm512_store_ps(lanes->max, new_max);
+    _mm512_store_ps(lanes->total, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(lanes->total), correction), total));
     _mm512_store_ps(state->steps, step);
     _mm512_store_ps(state->corrections, correction);
-    for (int i = 0; i < lanes->n; i++) state->max[lanes->heads[i]] = maxes[i], state->total[lanes->heads[i]] = totals[i];
 }
 
 /* A head's float32 sums times `correction`, plus a block's int32 sums times `step`: the one update
@@ -454,9 +469,7 @@ static inline __attribute__((always_inline)) void tile_scores(const Item *item, 
                                                               int32_t (*query_tiles)[DWORDS][VECTOR], const int8_t *keys,
                                                               const int chunks, ItemState *state) {
     const Layouts *l = &state->layouts;
-    _Alignas(64) float query_scales[VECTOR];
-    for (int i = 0; i < VECTOR; i++) query_scales[i] = i < lanes->n ? state->queries.scales[lanes->heads[i]] : 0.0f;
-    const __m512 scales = _mm512_load_ps(query_scales);
+    const __m512 scales = _mm512_load_ps(lanes->query_scales);
     const float *key_scale = (const float *)key_scales(l, lanes->kvs[0]), *value_scale = value_scales(l, lanes->kvs[0]);
     for (int first = 0; first < l->count; first += VECTOR) {
         _tile_zero(SCORE_SUMS);
@@ -527,6 +540,7 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
                 lanes->n = i % VECTOR + 1, num_sets = i / VECTOR + 1;
             }
     }
+    for (int s = 0; s < num_sets; s++) gather_lanes(&all[s], state);
 #if HAS_TILES
     for (int s = 0; s < num_sets && on_tiles; s++)
         lane_query_tiles(&all[s], &state->queries, chunks, state->query_tiles + s * chunks);
@@ -569,6 +583,7 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
             }
         }
     }
+    for (int s = 0; s < num_sets; s++) scatter_lanes(&all[s], state);
 }
 
 /* One work item's attention into out (bf16): the shared blocks once for every member's query
