@@ -32,6 +32,7 @@ from batchgen.kernels.profiler_spans import INT8_LINEAR_SPAN, profiler_span
 
 AMX_PANEL_COLUMNS = 32  # the AMX path's panel width (the VNNI path's is 96)
 GATED_BLOCK = 16  # a gated weight's gate and up rows alternate in runs of this many
+WEIGHT_CHUNK_ROWS = 4096  # a weight's rows quantized or packed at a time: no float32 or padded copy of a large one whole
 GATED_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # int8_gemm.c's GATED_* codes
 # products are scaled by two float32 multiplications and the bias added apart, as the reference does
 COMPILE_FLAGS = ("-ffp-contract=off",)
@@ -84,10 +85,16 @@ def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     times each column's sum (the VNNI path's unsigned inputs)."""
     n, k = values.shape
     columns = _library().bg_int8_gemm_panel_columns()
-    panels = -(-n // columns)
-    padded = F.pad(values, (0, padded_inputs(k) - k, 0, panels * columns - n))
-    packed = padded.view(panels, columns, padded.shape[1] // 4, 4).transpose(1, 2).contiguous()
-    compensation = padded.sum(dim=1, dtype=torch.int32) * 128
+    panels, k_padded = -(-n // columns), padded_inputs(k)
+    packed = values.new_empty((panels, k_padded // 4, columns, 4))
+    compensation = torch.zeros(panels * columns, dtype=torch.int32, device=values.device)
+    step = max(1, WEIGHT_CHUNK_ROWS // columns)  # panels at a time
+    for first in range(0, panels, step):
+        rows = values[first * columns:(first + step) * columns]
+        last = first + -(-len(rows) // columns)
+        padded = F.pad(rows, (0, k_padded - k, 0, (last - first) * columns - len(rows)))
+        packed[first:last] = padded.view(last - first, columns, k_padded // 4, 4).transpose(1, 2)
+        compensation[first * columns:first * columns + len(rows)] = rows.sum(dim=1, dtype=torch.int32) * 128
     return packed, compensation
 
 

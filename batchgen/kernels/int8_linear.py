@@ -71,7 +71,7 @@ def quantize_weight(weight: torch.Tensor, mode: str, input_absmax: torch.Tensor 
     W8A8 products on the C kernel are act(gate) * up (`Int8Weight.gated`) where its halves are
     whole gated blocks."""
     smoothing = None if mode != "int8" or input_absmax is None else smoothing_of(weight, input_absmax)
-    values, scales = quantized_channels(weight if smoothing is None else weight.float() / smoothing, mode)
+    values, scales = quantized_channels(weight, mode, smoothing)
     if mode == "int8-weight":
         return weight_only(values, scales, dtype or weight.dtype)
     if weight.device.type == "cpu" and (dtype or weight.dtype) == torch.bfloat16 and int8_gemm.is_available():
@@ -98,19 +98,35 @@ def smoothing_of(weight: torch.Tensor, input_absmax: torch.Tensor) -> torch.Tens
     input_absmax[j] ** alpha``, within [1 / SMOOTHING_LIMIT, SMOOTHING_LIMIT]: an input channel
     whose activations run large is scaled down before the per-token quantization (and its
     weights up), so a few outlier channels do not set every token's scale."""
-    weight_absmax = weight.detach().float().abs().amax(dim=0).clamp(min=SMOOTHING_FLOOR)
+    rows_absmax = [rows.float().abs().amax(dim=0) for rows in weight.detach().split(int8_gemm.WEIGHT_CHUNK_ROWS)]
+    weight_absmax = torch.stack(rows_absmax).amax(dim=0).clamp(min=SMOOTHING_FLOOR)
     multipliers = weight_absmax ** (1 - SMOOTHING_ALPHA) / input_absmax.float().clamp(min=SMOOTHING_FLOOR) ** SMOOTHING_ALPHA
     return multipliers.clamp(1 / SMOOTHING_LIMIT, SMOOTHING_LIMIT).to(weight.device)
 
 
-def quantized_channels(weight: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values [n, k] int8, scales [n]) of `weight`, symmetric per output channel: as
-    `quantize_rows` for ``int8``; against each channel's bf16-rounded scale for ``int8-weight``."""
+def quantized_channels(weight: torch.Tensor, mode: str,
+                       smoothing: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [n, k] int8, scales [n]) of `weight` (over `smoothing`, float32 per input, where
+    given), symmetric per output channel: as `quantize_rows` for ``int8``; against each channel's
+    bf16-rounded scale for ``int8-weight``. `int8_gemm.WEIGHT_CHUNK_ROWS` rows at a time (a row's
+    numbers are its own), so that no float32 copy of a large weight is made whole."""
+    values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = []
+    for start in range(0, len(weight), int8_gemm.WEIGHT_CHUNK_ROWS):
+        rows = slice(start, start + int8_gemm.WEIGHT_CHUNK_ROWS)
+        values[rows], part = _quantized_chunk(weight[rows].detach(), mode, smoothing)
+        scales.append(part)
+    return values, torch.cat(scales)
+
+
+def _quantized_chunk(rows: torch.Tensor, mode: str, smoothing: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantized_channels` of a chunk of a weight's rows."""
+    rows = rows.float() if smoothing is None else rows.float() / smoothing
     if mode == "int8":
-        return quantize_rows(weight.detach())
-    scales = (weight.detach().float().abs().amax(dim=1) / INT8_MAX).bfloat16()
+        return quantize_rows(rows)
+    scales = (rows.abs().amax(dim=1) / INT8_MAX).bfloat16()
     divisor = torch.where(scales > 0, scales.float(), 1.0)
-    return (weight.detach().float() / divisor[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+    return (rows / divisor[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -170,3 +170,15 @@ def test_a_product_takes_split_inputs_or_a_gated_epilogue_not_both():
     assert gated.gated == "silu"
     with pytest.raises(ValueError, match="split inputs or a gated epilogue, not both"):
         int8_linear.int8_linear(random_bf16(3, 64, seed=10), split(gated), None)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-weight"])
+def test_a_weight_quantized_and_packed_in_chunks_is_the_weight_quantized_whole(mode, monkeypatch):
+    weight = random_bf16(100, 70, seed=5)
+    input_absmax = torch.rand(70, generator=torch.Generator().manual_seed(6)) * 10
+    whole = int8_linear.quantize_weight(weight, mode, input_absmax)
+    monkeypatch.setattr(int8_gemm, "WEIGHT_CHUNK_ROWS", 7)  # a panel at a time; 7 rows, not a divisor of 100
+    chunked = int8_linear.quantize_weight(weight, mode, input_absmax)
+    for field in dataclasses.fields(int8_linear.Int8Weight):
+        got, expected = getattr(chunked, field.name), getattr(whole, field.name)
+        assert torch.equal(got, expected) if isinstance(expected, torch.Tensor) else got == expected, field.name
