@@ -299,7 +299,7 @@ static void row_pass(const int8_t *q, int64_t k, const int8_t *weight, const Out
     for (int64_t p = first; p < last; p++) {
         const int8_t *panel = weight + p * panel_bytes;
         const int64_t lines = p + 1 < last ? next_lines : 0;
-        for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++, buffer ^= 1) {
+        for (int64_t row = first_row, b = 0; row < last_row; row += rows, b++, buffer ^= outputs->gated != 0) {
             int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
             block(q + row * k, k, top, bottom, panel, (const char *)(panel + panel_bytes) + from * LINE_BYTES,
                   to - from, sums[buffer], outputs, pending.sums ? &pending : 0);

@@ -300,10 +300,11 @@ typedef struct {
 
 /* Each lane's running softmax and query scale from its head's in the item's state. */
 static void gather_lanes(Lanes *lanes, const ItemState *state) {
-    for (int i = 0; i < VECTOR; i++) {
-        const int head = lanes->heads[i], real = i < lanes->n;
-        lanes->max[i] = real ? state->max[head] : 0.0f, lanes->total[i] = real ? state->total[head] : 0.0f;
-        lanes->query_scales[i] = real ? state->queries.scales[head] : 0.0f;
+    for (int i = 0; i < VECTOR; i++) lanes->max[i] = lanes->total[i] = lanes->query_scales[i] = 0.0f;
+    for (int i = 0; i < lanes->n; i++) {
+        const int head = lanes->heads[i];
+        lanes->max[i] = state->max[head], lanes->total[i] = state->total[head];
+        lanes->query_scales[i] = state->queries.scales[head];
     }
 }
 
