@@ -53,12 +53,13 @@ def test_pack_places_each_column_quad_in_its_panel(build):
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 70, 300, 600])
 @pytest.mark.parametrize("out_features, in_features", [(1, 64), (16, 64), (97, 578), (100, 96), (300, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_equals_torch_int_mm_of_the_same_quantization(rows, out_features, in_features, threads):
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_linear_equals_torch_int_mm_of_the_same_quantization(rows, out_features, in_features, threads, has_bias):
     magnitudes = torch.logspace(-3, 3, rows)[:, None].bfloat16()  # the rows' scales span 1e6
     x = random_bf16(rows, in_features, seed=rows) * magnitudes
     x[rows // 2] = 0  # a row of zeros: scale 0
     weight = random_bf16(out_features, in_features, seed=out_features)
-    bias = random_bf16(out_features, seed=3)
+    bias = random_bf16(out_features, seed=3) if has_bias else None
     packed = int8_linear.quantize_weight(weight, "int8")
     assert packed.panels is not None and packed.values is None
     with torch_threads(threads):
@@ -66,7 +67,7 @@ def test_linear_equals_torch_int_mm_of_the_same_quantization(rows, out_features,
     expected = torch_product(x, weight, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     assert torch.equal(got, expected)
-    assert torch.equal(got[rows // 2], bias)
+    assert torch.equal(got[rows // 2], bias if has_bias else torch.zeros_like(got[rows // 2]))
 
 
 def test_a_product_of_no_rows_is_empty_and_strided_rows_are_read_right():

@@ -68,7 +68,7 @@
 enum { GATED_NONE = 0, GATED_SILU = 1, GATED_GELU_TANH = 2 }; /* bg_int8_linear's `gated` */
 
 #define BLOCK_COLUMNS 16                  /* one vector of int32 accumulators */
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define PANEL_BLOCKS 2
 #else
 #define PANEL_BLOCKS 6
@@ -81,15 +81,17 @@ static inline __mmask16 column_mask(int64_t col, int64_t n) {
     return left >= BLOCK_COLUMNS ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
 }
 
-/* 16 output columns' weight scales and bias (0 without one) as float32, read once for all rows. */
+/* 16 output columns' weight scales and bias (where the product has one) as float32, read once
+ * for all rows. */
 typedef struct {
     __mmask16 mask;                       /* the columns before n */
+    int has_bias;
     __m512 w_scales, bias;
 } Columns;
 
 static inline Columns columns_at(const float *w_scales, const uint16_t *bias, int64_t col, int64_t n) {
     __mmask16 mask = column_mask(col, n);
-    Columns columns = {mask, _mm512_maskz_loadu_ps(mask, w_scales + col),
+    Columns columns = {mask, bias != 0, _mm512_maskz_loadu_ps(mask, w_scales + col),
                        bias != 0 ? load_bf16x16(bias + col, mask) : _mm512_setzero_ps()};
     return columns;
 }
@@ -99,10 +101,15 @@ static inline __m512 unbiased(__m512i sums, float x_scale, Columns columns) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_set1_ps(x_scale), columns.w_scales));
 }
 
-/* One row's 16 columns from their exact int32 sums: scaled, bias added (adding a bias of zeros
- * changes no value), before their rounding to bf16. */
+/* `value` plus the columns' bias, where they have one. */
+static inline __m512 plus_bias(__m512 value, Columns columns) {
+    return columns.has_bias ? _mm512_add_ps(value, columns.bias) : value;
+}
+
+/* One row's 16 columns from their exact int32 sums: scaled, bias added, before their rounding to
+ * bf16. */
 static inline __m512 scaled(__m512i sums, float x_scale, Columns columns) {
-    return _mm512_add_ps(unbiased(sums, x_scale, columns), columns.bias);
+    return plus_bias(unbiased(sums, x_scale, columns), columns);
 }
 
 /* One row's 16 columns, `scaled`, rounded to bf16 and stored; columns past n left alone. */
@@ -113,8 +120,8 @@ static inline void store_block(uint16_t *out, __m512i sums, float x_scale, Colum
 /* One split row's 16 columns from its two parts' sums (`bg_int8_linear`'s `split`): each scaled,
  * added, then the bias, before their rounding to bf16. */
 static inline __m512 split_scaled(__m512i sums, __m512i rest_sums, const float *x_scales, Columns columns) {
-    __m512 value = _mm512_add_ps(unbiased(sums, x_scales[0], columns), unbiased(rest_sums, x_scales[1], columns));
-    return _mm512_add_ps(value, columns.bias);
+    return plus_bias(_mm512_add_ps(unbiased(sums, x_scales[0], columns), unbiased(rest_sums, x_scales[1], columns)),
+                     columns);
 }
 
 /* `split_scaled`, rounded to bf16 and stored; columns past n left alone. */
@@ -179,7 +186,7 @@ static Quantization quantize_row(const uint16_t *x, const float *smoothing, cons
     return quantization;
 }
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include "amx.h"
 
 #define CHUNK_INPUTS 64                   /* inputs per tile product: 16 quads */
@@ -236,7 +243,7 @@ static void store_units(const Outputs *o, const Stored *b, int first, int last) 
                                     : scaled(block_sums(b->sums, r, half), x_scales[0], columns);
         }
         if (right.mask == 0xffff) {
-            _mm512_storeu_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(values[0])), to_bf16x16(values[1]), 1));
+            _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(values[1], values[0])); /* values[0]'s 16, then values[1]'s */
             continue;
         }
         _mm256_mask_storeu_epi16(out, left.mask, to_bf16x16(values[0]));
