@@ -55,7 +55,7 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
         token_ids = _encode_text(tokenizer, prompt)
     elif is_messages(prompt):
         token_ids = _encode_messages(tokenizer, check_messages(prompt))
-    elif isinstance(prompt, list) and prompt and all(is_token_id(item) for item in prompt):
+    elif isinstance(prompt, list) and prompt and are_token_ids(prompt):
         token_ids = list(prompt)
     elif isinstance(prompt, list) and not prompt:
         raise ValueError("empty prompt: no tokens and no messages")
@@ -183,6 +183,14 @@ def _check_message(message: Any, where: str) -> dict:
 
 def is_token_id(item: Any) -> bool:
     return isinstance(item, int) and not isinstance(item, bool) and item >= 0
+
+
+def are_token_ids(items: list) -> bool:
+    """Whether every item of `items` is a token id (`is_token_id`); True for no items. A list of
+    plain ints, the usual case, is checked without a Python call per item."""
+    if set(map(type, items)) == {int}:
+        return min(items) >= 0
+    return all(is_token_id(item) for item in items)
 
 
 def _describe(value: Any) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.prompts import encode_prompt
+from batchgen.prompts import are_token_ids, encode_prompt
 from tests.job.test_run import word_tokenizer
 
 TOKENIZER = word_tokenizer()
@@ -39,6 +39,18 @@ def test_messages_go_through_the_chat_template_with_the_generation_prompt():
 def test_malformed_prompts_raise_value_error(prompt, message):
     with pytest.raises(ValueError, match=message):
         encode_prompt(TOKENIZER, prompt)
+
+
+class TokenId(int):
+    pass
+
+
+@pytest.mark.parametrize(("items", "expected"), [
+    ([], True), ([0, 5, 49151], True), ([3, TokenId(4)], True),  # an int subclass is an int
+    ([3, -1], False), ([True], False), ([3, False], False), ([3, 4.0], False), ([3, "4"], False),
+])
+def test_token_ids_are_non_negative_ints_and_never_bools(items, expected):
+    assert are_token_ids(items) is expected
 
 
 def test_messages_need_a_chat_template():

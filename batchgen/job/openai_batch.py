@@ -48,7 +48,7 @@ import xxhash
 
 from batchgen.io.input_rows import InputRow, InputSource, row_error
 from batchgen.io.json_lines import json_objects
-from batchgen.prompts import check_messages, is_token_id
+from batchgen.prompts import are_token_ids, check_messages, is_token_id
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
@@ -168,8 +168,7 @@ def _prompt(url: str, body: dict, prompt_index: int, count: int) -> tuple[Any, d
     prompt = body.get("prompt")
     if _is_prompt_list(prompt) and not all(isinstance(item, int) for item in prompt):
         prompt = prompt[prompt_index]
-    if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt
-                                                        and all(is_token_id(item) for item in prompt)):
+    if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt and are_token_ids(prompt)):
         raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of those")
     echo = body.get("echo", False)
     if not isinstance(echo, bool):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.prompts import are_token_ids
+
 
 def encode_pair(tokenizer: Any, context: Any, continuation: Any) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) of one pair; ValueError for a malformed pair."""
@@ -77,4 +79,4 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    return isinstance(value, list) and are_token_ids(value)
