@@ -9,8 +9,9 @@ read here, once at load, from one forward pass of the model itself.
 Invariants:
 - `input_ranges` is deterministic: the same fixed token ids (`CALIBRATION_TOKENS` drawn with
   `CALIBRATION_SEED` from the vocabulary), the model's own forward (transformers' SDPA
-  attention, no cache); the model's weights, attention implementation and modules' hooks are as
-  they were after it.
+  attention, or its eager attention for a model without an SDPA path, as Gemma 2 and gpt-oss;
+  no cache); the model's weights, attention implementation and modules' hooks are as they were
+  after it.
 - Ranges are float32, one value per input channel: the largest |input| of that channel over
   every calibration token.
 """
@@ -41,7 +42,7 @@ def input_ranges(model, modules: list[nn.Module]) -> dict[nn.Module, torch.Tenso
     hooks = [module.register_forward_hook(record) for module in set(modules)]
     attention = model.config._attn_implementation
     try:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
         model(input_ids=token_ids, use_cache=False, logits_to_keep=1)
     finally:
         model.set_attn_implementation(attention)

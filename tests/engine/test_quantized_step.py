@@ -145,6 +145,20 @@ def test_calibration_is_deterministic_and_leaves_the_model_as_it_was():
     assert all(not module._forward_hooks for module in modules)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_a_family_without_an_sdpa_path_calibrates_on_eager_attention_and_runs_int8(family):
+    model = tiny_family_model(family).to(torch.bfloat16)  # transformers refuses SDPA for soft-caps and sinks
+    if FusedDecoder.build(model) is None:
+        pytest.skip("no fused bf16 step on this CPU")
+    attention = model.config._attn_implementation
+    modules = [model.model.layers[0].self_attn.q_proj, model.model.layers[1].self_attn.o_proj]
+    ranges = calibration.input_ranges(model, modules)
+    assert list(ranges) == modules and all(bool((ranges[m] > 0).all()) for m in modules)
+    assert model.config._attn_implementation == attention
+    got, unquantized = step_logits(model, quantization="int8"), step_logits(model)
+    assert (got - unquantized).abs().max() <= 0.1 * (unquantized.max() - unquantized.min())
+
+
 def test_quantization_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="quantization: int8 runs on the fused step of .* this is a llama model in "
                                          "float32 on cpu"):
