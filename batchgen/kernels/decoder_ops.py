@@ -94,6 +94,9 @@ class QKNorm:
     eps: float
 
 
+NO_QK_NORM = QKNorm(None, None, True, "rms", 0.0)  # rope_write_kv without q/k norms
+
+
 def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                   qk_norm: QKNorm | None = None) -> None:
@@ -104,9 +107,9 @@ def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tenso
     empty ``cos``: none)."""
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
     rotary_dim = cos.shape[-1] if cos.numel() else 0
-    norm = qk_norm or QKNorm(None, None, True, "rms", 0.0)
+    norm = qk_norm or NO_QK_NORM
     _library().bg_rope_write_kv(q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), len(slots),
+                                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), slots.shape[0],
                                 num_heads, k_cache.shape[2], head_dim, rotary_dim, _pointer(norm.q_weight),
                                 _pointer(norm.k_weight), head_dim if norm.per_head else 0, QK_NORM_KINDS[norm.kind],
                                 norm.eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads())

@@ -141,7 +141,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a 2-D `x` (see the module docstring for how)."""
-    out_features = len(weight.scales)
+    out_features = weight.scales.shape[0]
     if weight.panels is not None and weight.activations_quantized:
         return int8_gemm.linear(x, weight.panels, weight.compensation, weight.scales, bias, out_features,
                                 weight.smoothing, weight.gated, weight.split_inputs)
