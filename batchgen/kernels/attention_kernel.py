@@ -27,6 +27,7 @@ import ctypes
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -104,6 +105,31 @@ class PagedSeqs:
         return [t for t in (self.block_tables, self.context_lens, self.groups, self.query_starts, self.query_lens)
                 if t is not None]
 
+    @cached_property
+    def checked_count(self) -> int:
+        """The number of sequences (block_tables' rows), once every tensor's dtype and shape is
+        checked against it and all are found on one device (a ValueError naming the problem).
+        Checked at the first kernel call and kept: every layer of a step passes the same object."""
+        if (self.query_lens is None) != self.is_decode:
+            raise ValueError("query_starts and query_lens are given together (prefill) or not at all (decode)")
+        tables = self.block_tables
+        if tables.dtype != torch.int32 or tables.dim() != 2:
+            raise ValueError(f"block_tables must be int32 [num_seqs, max_blocks], got {tables.dtype} "
+                             f"{tuple(tables.shape)}")
+        num_seqs = tables.shape[0]
+        for name in ("context_lens", "query_starts", "query_lens"):
+            tensor = getattr(self, name)
+            if tensor is not None and (tensor.dtype != torch.int32 or tensor.shape != (num_seqs,)):
+                raise ValueError(f"{name} must be int32 [{num_seqs}], got {tensor.dtype} {tuple(tensor.shape)}")
+        if self.groups is not None and (self.groups.dtype != torch.int32 or self.groups.dim() != 2
+                                        or self.groups.shape[1] != 3):
+            raise ValueError(f"groups must be int32 [num_groups, 3], got {self.groups.dtype} "
+                             f"{tuple(self.groups.shape)}")
+        devices = {t.device for t in self.tensors()}
+        if len(devices) != 1:
+            raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+        return num_seqs
+
 
 def head_dim_of(cache: torch.Tensor) -> int:
     """The head size a pool (or rows gathered from one) stores."""
@@ -127,21 +153,11 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                          "(head_dim must match and num_heads be a multiple of num_kv_heads)")
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)}")
-    if (seqs.query_lens is None) != seqs.is_decode:
-        raise ValueError("query_starts and query_lens are given together (prefill) or not at all (decode)")
-    num_seqs = len(q) if seqs.is_decode else len(seqs.query_starts)
-    tables = seqs.block_tables
-    if tables.dtype != torch.int32 or tables.dim() != 2 or tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], "
-                         f"got {tables.dtype} {tuple(tables.shape)}")
-    for name in ("context_lens", "query_starts", "query_lens"):
-        tensor = getattr(seqs, name)
-        if tensor is not None and (tensor.dtype != torch.int32 or tensor.shape != (num_seqs,)):
-            raise ValueError(f"{name} must be int32 [{num_seqs}], got {tensor.dtype} {tuple(tensor.shape)}")
-    if seqs.groups is not None and (seqs.groups.dtype != torch.int32 or seqs.groups.dim() != 2
-                                    or seqs.groups.shape[1] != 3):
-        raise ValueError(f"groups must be int32 [num_groups, 3], got {seqs.groups.dtype} {tuple(seqs.groups.shape)}")
-    devices = {t.device for t in (q, k_cache, v_cache, out, *seqs.tensors())}
+    num_seqs = seqs.checked_count
+    if seqs.is_decode and q.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be int32 [num_seqs={q.shape[0]}, max_blocks], got "
+                         f"{seqs.block_tables.dtype} {tuple(seqs.block_tables.shape)}")
+    devices = {q.device, k_cache.device, v_cache.device, out.device, seqs.block_tables.device}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
