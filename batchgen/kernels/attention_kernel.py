@@ -106,6 +106,12 @@ class PagedSeqs:
                 if t is not None]
 
     @cached_property
+    def on_cpu_contiguous(self) -> bool:
+        """Whether every tensor is a contiguous CPU tensor, as the C kernels take them (kept, as
+        `checked_count`)."""
+        return all(t.is_cpu and t.is_contiguous() for t in self.tensors())
+
+    @cached_property
     def checked_count(self) -> int:
         """The number of sequences (block_tables' rows), once every tensor's dtype and shape is
         checked against it and all are found on one device (a ValueError naming the problem).
@@ -188,7 +194,7 @@ def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
     sinks = [] if variant.sinks is None else [variant.sinks]
-    if not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *seqs.tensors(), *sinks)):
+    if not (seqs.on_cpu_contiguous and all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *sinks))):
         return False
     if k_cache.dtype == torch.int8 and q.dtype not in INT8_POOL_CODES:
         return False

@@ -131,9 +131,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [.., head_dim + SCALE_BYTES]). A group's shared blocks are read once for all its members
     (cascade attention), each member's result the same as without the group."""
     library = _library()
-    tensors = (q, k_cache, v_cache, out, *seqs.tensors())
     if (library is None or not variant.is_full or not is_int8(k_cache) or q.dtype != torch.bfloat16
-            or not all(t.is_cpu and t.is_contiguous() for t in tensors)):
+            or not seqs.on_cpu_contiguous
+            or not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out))):
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
