@@ -116,17 +116,19 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
     the row and what its rounding left (``csrc/int8_gemm.c``), twice the products."""
     if split_inputs and gated:
         raise ValueError("a product takes split inputs or a gated epilogue, not both")
-    if x.stride(-1) != 1:
+    row_stride, column_stride = x.stride()
+    if column_stride != 1:
         x = x.contiguous()
+        row_stride = x.stride(0)
     m, k = x.shape
     k_padded = padded_inputs(k)
     rows = 2 * m if split_inputs else m  # quantized rows
     scratch = torch.empty(rows * (k_padded + 4), dtype=torch.int8)  # the rows' int8 values, then their float32 scales
+    quantized = scratch.data_ptr()
     out = x.new_empty((m, out_features // 2 if gated else out_features))
     with profiler_span(INT8_LINEAR_SPAN):
-        _library().bg_int8_linear(x.data_ptr(), x.stride(0), m, k, None if smoothing is None else smoothing.data_ptr(),
-                                  scratch.data_ptr(),
-                                  scratch.data_ptr() + rows * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
+        _library().bg_int8_linear(x.data_ptr(), row_stride, m, k, None if smoothing is None else smoothing.data_ptr(),
+                                  quantized, quantized + rows * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
                                   compensation.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
                                   GATED_ACTIVATIONS.get(gated, 0), int(split_inputs), out.data_ptr(),
                                   torch.get_num_threads())

@@ -12,8 +12,11 @@ BF16_LINEAR_SPAN = "batchgen::bf16_linear"  # one product of bf16_gemm's kernel
 INT8_LINEAR_SPAN = "batchgen::int8_linear"  # one product of int8_gemm's kernel, its rows' quantization included
 
 
+NO_SPAN = contextlib.nullcontext()  # stateless: one serves every call
+
+
 def profiler_span(label: str):
     """A `label` span while a torch profiler records; otherwise nothing (a span costs about 9 µs)."""
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(label)
-    return contextlib.nullcontext()
+    return NO_SPAN
