@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,18 @@ def gated_order(out_features: int) -> torch.Tensor:
     return torch.arange(out_features).view(2, -1, GATED_BLOCK).transpose(0, 1).reshape(-1)
 
 
+_scratch = threading.local()  # each thread's buffer for its products' quantized rows
+
+
+def _scratch_address(size: int) -> int:
+    """The address of this thread's scratch of at least `size` bytes, grown as needed and kept: a
+    product uses it during its call alone, and a thread's calls come one after another."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _scratch.buffer = torch.empty(size, dtype=torch.int8)
+    return buffer.data_ptr()
+
+
 def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, out_features: int, smoothing: torch.Tensor | None = None,
            gated: str | None = None, split_inputs: bool = False) -> torch.Tensor:
@@ -123,8 +136,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
     m, k = x.shape
     k_padded = padded_inputs(k)
     rows = 2 * m if split_inputs else m  # quantized rows
-    scratch = torch.empty(rows * (k_padded + 4), dtype=torch.int8)  # the rows' int8 values, then their float32 scales
-    quantized = scratch.data_ptr()
+    quantized = _scratch_address(rows * (k_padded + 4))  # the rows' int8 values, then their float32 scales
     out = x.new_empty((m, out_features // 2 if gated else out_features))
     with profiler_span(INT8_LINEAR_SPAN):
         _library().bg_int8_linear(x.data_ptr(), row_stride, m, k, None if smoothing is None else smoothing.data_ptr(),
