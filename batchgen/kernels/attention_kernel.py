@@ -194,7 +194,8 @@ def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
     sinks = [] if variant.sinks is None else [variant.sinks]
-    if not (seqs.on_cpu_contiguous and all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out, *sinks))):
+    tensors = (q, k_cache, v_cache, out, *sinks)
+    if not (seqs.on_cpu_contiguous and all(t.is_cpu and t.is_contiguous() for t in tensors)):
         return False
     if k_cache.dtype == torch.int8 and q.dtype not in INT8_POOL_CODES:
         return False
