@@ -69,6 +69,11 @@ enum { GATED_NONE = 0, GATED_SILU = 1, GATED_GELU_TANH = 2 }; /* bg_int8_linear'
 
 #define BLOCK_COLUMNS 16                  /* one vector of int32 accumulators */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define HAS_TILES 1                       /* the AMX path (its epilogue rounds with AVX512-BF16) */
+#else
+#define HAS_TILES 0
+#endif
+#if HAS_TILES
 #define PANEL_BLOCKS 2
 #else
 #define PANEL_BLOCKS 6
@@ -186,7 +191,7 @@ static Quantization quantize_row(const uint16_t *x, const float *smoothing, cons
     return quantization;
 }
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if HAS_TILES
 #include "amx.h"
 
 #define CHUNK_INPUTS 64                   /* inputs per tile product: 16 quads */
