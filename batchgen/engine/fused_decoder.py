@@ -59,6 +59,7 @@ from batchgen.kernels import cuda_decoder_ops, decoder_ops, kv_int8
 from batchgen.models import kv_cache_shape
 from batchgen.kernels.attention import AttentionStep
 from batchgen.kernels.attention_kernel import AttentionVariant
+from batchgen.kernels.decode_layers import DecodeLayers
 from batchgen.kernels.cpu_linear import PackedWeight, bucketed, pack_weights, packed_linear, row_bucket
 from batchgen.kernels.profiler_spans import ATTENTION_SPAN, profiler_span
 
@@ -225,6 +226,7 @@ class FusedDecoder:
         self.row_bucket = row_bucket([self.lm_head] + [weight for layer in self.layers
                                                         for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)
                                                         if weight is not None])
+        self.decode_layers = DecodeLayers.of(self) if quantization == "int8" else None
 
     @classmethod
     def build(cls, model, quantization: str = "none",
@@ -262,6 +264,12 @@ class FusedDecoder:
         kept_rows = slice(num_tokens)
         if logit_indices is not None and tail is None:
             kept_rows = torch.tensor(logit_indices, dtype=torch.long, device=input_ids.device)
+        if self.decode_layers is not None and self.decode_layers.takes(step, num_tokens):
+            layer_rotations = [rotations[layer.rotary_key] for layer in self.layers]
+            if self.decode_layers.run(rows, keys, kv_target, layer_rotations, step):
+                return self.logits(rows.normed[kept_rows])
+            self.decode_layers = None  # this pool's shapes run on the kernels one by one
+            return self.forward(input_ids, positions, step, logit_indices)
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             if self.spec.parallel and layer.mlp_norm is not None:
                 add_norm(ops, rows.mlp_normed, rows.residual, None, layer.mlp_norm)

@@ -23,8 +23,8 @@ import torch
 import transformers
 
 from batchgen import models
-from batchgen.kernels import (amx_attention, bf16_gemm, c_library, cpu_attention, decoder_ops, int8_gemm, kv_int8,
-                              sampling_ops)
+from batchgen.kernels import (amx_attention, bf16_gemm, c_library, cpu_attention, decode_layers, decoder_ops,
+                              int8_gemm, kv_int8, sampling_ops)
 from batchgen.kernels.attention import NativeBackend, make_backend
 
 PACKAGE_DIR = Path(__file__).parent.parent  # the batchgen package this module belongs to
@@ -68,6 +68,8 @@ C_KERNELS = (
             "int8 K/V pool: decode attention (shared prefixes read once), row store, block dequantize "
             "(kv_cache_dtype: int8)",
             kv_int8.is_available, "AVX-512, AVX512-VNNI and AVX512-BF16"),
+    CKernel("decode_layers.c", "a decode step's layers in one call (quantization: int8 over kv_cache_dtype: int8, "
+            "Llama-shaped layers)", decode_layers.is_available, "the int8 GEMM, int8 K/V and decoder-op kernels"),
 )
 
 

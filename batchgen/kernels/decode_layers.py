@@ -1,0 +1,200 @@
+"""A decode step's decoder layers in one C call (``csrc/decode_layers.c``), for Llama-shaped layers
+with W8A8 products on `int8_gemm` over an int8 K/V pool.
+
+`fused_decoder.FusedDecoder.forward` calls some nine kernels a layer from Python; at a decode
+step's few rows the Python, ctypes and allocation work around them costs several times its own
+time beside the kernels (docs/performance.md). `DecodeLayers.run` hands the same kernels, with the
+same arguments and in the same order, to one C loop over the layers: the step's results are the
+same bits.
+
+Invariants:
+- `DecodeLayers.of` returns None unless every layer is one that ``decode_layers.c`` runs: the
+  Llama layer (attention norm, q|k|v, rotary embeddings with optional q/k RMSNorms, full
+  attention, o, MLP norm, gated [gate; up] then down products, no post-norms, no scaled
+  residuals, RMSNorms with bf16 weights), every product W8A8 on `int8_gemm`, and the kernels'
+  libraries built here.
+- `run` takes a step only where every row is a decode row and the pool is int8; it reads and
+  writes the buffers `FusedDecoder.forward` would (`rows.normed` holds the first layer's
+  attention norm on entry and the final norm on return).
+- Its only state is each layer's constants, read once from the decoder's packed weights, which it
+  keeps alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.kernels import decoder_ops, int8_gemm, kv_int8
+from batchgen.kernels.attention_kernel import check_inputs
+from batchgen.kernels.c_library import load_library
+from batchgen.kernels.cpu_linear import PackedWeight
+from batchgen.kernels.kernel_status import check_status
+
+_POINTER, _INT, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("add_rms_norm", _POINTER), ("int8_linear", _POINTER), ("rope_write_kv", _POINTER),
+                ("kv_store", _POINTER), ("decode_attention", _POINTER)]
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("smoothing", _POINTER), ("panels", _POINTER), ("scales", _POINTER), ("compensation", _POINTER),
+                ("bias", _POINTER), ("in_features", _INT64), ("padded_inputs", _INT64), ("out_features", _INT64),
+                ("gated", _INT)]
+
+
+class _Norm(ctypes.Structure):
+    _fields_ = [("weight", _POINTER), ("eps", _FLOAT)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Product), ("o", _Product), ("mlp_in", _Product), ("mlp_out", _Product),
+                ("mlp_norm", _Norm), ("next_norm", _Norm), ("q_norm", _POINTER), ("k_norm", _POINTER),
+                ("qk_norm_width", _INT), ("qk_norm_kind", _INT), ("qk_norm_eps", _FLOAT), ("scale", _FLOAT)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, _POINTER) for name in ("residual", "normed", "qkv", "heads", "keys", "attended", "hidden",
+                                              "out", "scratch_k", "scratch_v", "quantized", "scratch_slots", "slots",
+                                              "block_tables", "context_lens", "groups", "layers")] + [
+        ("rows", _INT64), ("num_slots", _INT64)] + [
+        (name, _INT) for name in ("num_tokens", "num_groups", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                                  "num_blocks", "block_size", "max_blocks", "num_threads")]
+
+
+LAYER_STEP_FIELDS = 5  # decode_layers.c's LayerStep: k_cache, v_cache, cos, sin, rotary_dim (8 bytes each)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = load_library("decode_layers.c")
+    if library is not None:
+        library.bg_decode_layers.argtypes = [_POINTER, _POINTER, _POINTER, _INT]
+        library.bg_decode_layers.restype = _INT
+    return library
+
+
+@functools.cache
+def _kernels() -> _Kernels | None:
+    """The kernels' entry points, where every library is built here."""
+    libraries = (_library(), decoder_ops._library(), int8_gemm._library(), kv_int8._library())
+    if any(library is None for library in libraries):
+        return None
+    _, ops, products, kv = libraries
+    functions = (ops.bg_add_rms_norm, products.bg_int8_linear, ops.bg_rope_write_kv, kv.bg_kv_int8_store,
+                 kv.bg_kv_int8_decode_attention)
+    return _Kernels(*(ctypes.cast(function, _POINTER).value for function in functions))
+
+
+def is_available() -> bool:
+    """Whether this machine's builds hold the loop and every kernel it calls."""
+    return _kernels() is not None
+
+
+def _product(packed: PackedWeight | None, in_features: int) -> _Product | None:
+    """`packed`'s constants, where it is a W8A8 product on `int8_gemm` of one part per row."""
+    weight = None if packed is None else packed.int8
+    if weight is None or weight.panels is None or not weight.activations_quantized or weight.split_inputs:
+        return None
+    pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+    return _Product(pointer(weight.smoothing), weight.panels.data_ptr(), weight.scales.data_ptr(),
+                    weight.compensation.data_ptr(), pointer(packed.bias), in_features,
+                    int8_gemm.padded_inputs(in_features), packed.out_features,
+                    int8_gemm.GATED_ACTIVATIONS.get(weight.gated, 0))
+
+
+def _norm(norm) -> _Norm | None:
+    """A `fused_decoder.FusedNorm` as the C loop takes it: Llama's RMSNorm only."""
+    return None if norm is None or norm.kind != "rms" else _Norm(norm.weight.data_ptr(), norm.eps)
+
+
+def _layer(layer, next_norm, hidden_size: int, num_heads: int, head_dim: int) -> _Layer | None:
+    """A `fused_decoder.FusedLayer`'s constants, where ``decode_layers.c`` runs it."""
+    if (layer.moe is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
+            or _norm(layer.attn_norm) is None or not layer.variant.is_full or layer.mlp_in is None
+            or layer.mlp_in.gated is None):
+        return None
+    products = [_product(layer.qkv, hidden_size), _product(layer.o, num_heads * head_dim),
+                _product(layer.mlp_in, hidden_size), _product(layer.mlp_out, layer.mlp_in.out_features // 2)]
+    norms = [_norm(layer.mlp_norm), _norm(next_norm)]
+    if None in products or None in norms:
+        return None
+    qk_norm = layer.qk_norm or decoder_ops.NO_QK_NORM  # as `decoder_ops.rope_write_kv` passes it
+    q_norm, k_norm = (None if weight is None else weight.data_ptr() for weight in (qk_norm.q_weight, qk_norm.k_weight))
+    return _Layer(*products, *norms, q_norm, k_norm, head_dim if qk_norm.per_head else 0,
+                  decoder_ops.QK_NORM_KINDS[qk_norm.kind], qk_norm.eps, layer.scale)
+
+
+@dataclass(frozen=True)
+class DecodeLayers:
+    """A decoder's layers as ``decode_layers.c`` runs them (see the module docstring)."""
+
+    kernels: _Kernels
+    layers: ctypes.Array  # of _Layer, one a layer
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    largest_padded_inputs: int  # of every product: the quantized rows' scratch per row
+
+    @classmethod
+    def of(cls, decoder) -> DecodeLayers | None:
+        """`decoder`'s (a `fused_decoder.FusedDecoder`) layers, where ``decode_layers.c`` runs every one."""
+        spec = decoder.spec
+        if spec.parallel or spec.residual_scale is not None or _norm(decoder.final_norm) is None:
+            return None
+        hidden_size = decoder.final_norm.weight.numel()
+        next_norms = [layer.attn_norm for layer in decoder.layers[1:]] + [decoder.final_norm]
+        layers = [_layer(layer, next_norm, hidden_size, decoder.num_heads, decoder.head_dim)
+                  for layer, next_norm in zip(decoder.layers, next_norms)]
+        kernels = None if None in layers or decoder.final_norm.weight.dtype != torch.bfloat16 else _kernels()
+        if kernels is None:
+            return None
+        largest = max(product.padded_inputs for layer in layers for product in (layer.qkv, layer.o, layer.mlp_in,
+                                                                                 layer.mlp_out))
+        return cls(kernels, (_Layer * len(layers))(*layers), hidden_size, decoder.num_heads, decoder.head_dim,
+                   largest)
+
+    @staticmethod
+    def takes(step, num_tokens: int) -> bool:
+        """Whether `run` takes `step` (an `attention.AttentionStep` of `num_tokens` rows): every row
+        a decode row, over an int8 pool whose decode rows run on `kv_int8`'s kernel."""
+        metadata = step.metadata
+        return (metadata.num_decode_seqs == num_tokens and kv_int8.is_int8(step.k_caches[0])
+                and getattr(step.backend, "decode", None) is kv_int8.paged_decode_attention
+                and metadata.slot_mapping.dtype == torch.int64 and metadata.decode_seqs.on_cpu_contiguous
+                and all(cache.is_contiguous() for cache in (*step.k_caches, *step.v_caches)))
+
+    def run(self, rows, keys: torch.Tensor, kv_target: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+            rotations: list[tuple[torch.Tensor, torch.Tensor]], step) -> bool:
+        """Every layer of a step that `takes`, on `rows` (a `fused_decoder.StepRows`), `keys` and
+        `kv_target` (`FusedDecoder.int8_kv_target`), each layer rotated by its (cos, sin); False
+        where the kernels do not run this pool's shapes (the caller then runs the step its own way,
+        from the start: what was written is what that writes again)."""
+        metadata, (scratch_k, scratch_v, scratch_slots) = step.metadata, kv_target
+        seqs, num_tokens, padded_rows = metadata.decode_seqs, rows.num_tokens, len(rows.residual)
+        pools = list(zip(step.k_caches, step.v_caches))
+        check_inputs(rows.heads[:num_tokens], *pools[0], seqs, rows.attended[:num_tokens])
+        layer_steps = torch.tensor([[k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                     cos.shape[-1] if cos.numel() else 0]
+                                    for (k_cache, v_cache), (cos, sin) in zip(pools, rotations)], dtype=torch.int64)
+        qkv = rows.residual.new_empty((padded_rows, self.layers[0].qkv.out_features))
+        hidden = rows.residual.new_empty((padded_rows, self.layers[0].mlp_in.out_features // 2))
+        out = torch.empty_like(rows.residual)
+        quantized = int8_gemm._scratch_address(padded_rows * (self.largest_padded_inputs + 4))
+        num_blocks, block_size, num_kv_heads, _ = step.k_caches[0].shape
+        c_step = _Step(rows.residual.data_ptr(), rows.normed.data_ptr(), qkv.data_ptr(), rows.heads.data_ptr(),
+                       keys.data_ptr(), rows.attended.data_ptr(), hidden.data_ptr(), out.data_ptr(),
+                       scratch_k.data_ptr(), scratch_v.data_ptr(), quantized, scratch_slots.data_ptr(),
+                       metadata.slot_mapping.data_ptr(), seqs.block_tables.data_ptr(), seqs.context_lens.data_ptr(),
+                       None if seqs.groups is None else seqs.groups.data_ptr(), layer_steps.data_ptr(), padded_rows,
+                       num_blocks * block_size, num_tokens, seqs.num_groups, self.num_heads, num_kv_heads,
+                       self.head_dim, self.hidden_size, num_blocks, block_size, seqs.block_tables.shape[1],
+                       torch.get_num_threads())
+        status = _library().bg_decode_layers(ctypes.addressof(self.kernels), ctypes.addressof(c_step),
+                                             ctypes.addressof(self.layers), len(self.layers))
+        return check_status("decode_layers", status)
