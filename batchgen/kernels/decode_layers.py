@@ -71,7 +71,7 @@ LAYER_STEP_FIELDS = 5  # decode_layers.c's LayerStep: k_cache, v_cache, cos, sin
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     library = load_library("decode_layers.c")
     if library is not None:
         library.bg_decode_layers.argtypes = [_POINTER, _POINTER, _POINTER, _INT]
@@ -82,7 +82,7 @@ def _library() -> ctypes.CDLL | None:
 @functools.cache
 def _kernels() -> _Kernels | None:
     """The kernels' entry points, where every library is built here."""
-    libraries = (_library(), decoder_ops._library(), int8_gemm._library(), kv_int8._library())
+    libraries = (library(), decoder_ops.library(), int8_gemm.library(), kv_int8.library())
     if any(library is None for library in libraries):
         return None
     _, ops, products, kv = libraries
@@ -185,7 +185,7 @@ class DecodeLayers:
         qkv = rows.residual.new_empty((padded_rows, self.layers[0].qkv.out_features))
         hidden = rows.residual.new_empty((padded_rows, self.layers[0].mlp_in.out_features // 2))
         out = torch.empty_like(rows.residual)
-        quantized = int8_gemm._scratch_address(padded_rows * (self.largest_padded_inputs + 4))
+        quantized = int8_gemm.scratch_address(padded_rows * (self.largest_padded_inputs + 4))
         num_blocks, block_size, num_kv_heads, _ = step.k_caches[0].shape
         c_step = _Step(rows.residual.data_ptr(), rows.normed.data_ptr(), qkv.data_ptr(), rows.heads.data_ptr(),
                        keys.data_ptr(), rows.attended.data_ptr(), hidden.data_ptr(), out.data_ptr(),
@@ -195,6 +195,6 @@ class DecodeLayers:
                        num_blocks * block_size, num_tokens, seqs.num_groups, self.num_heads, num_kv_heads,
                        self.head_dim, self.hidden_size, num_blocks, block_size, seqs.block_tables.shape[1],
                        torch.get_num_threads())
-        status = _library().bg_decode_layers(ctypes.addressof(self.kernels), ctypes.addressof(c_step),
+        status = library().bg_decode_layers(ctypes.addressof(self.kernels), ctypes.addressof(c_step),
                                              ctypes.addressof(self.layers), len(self.layers))
         return check_status("decode_layers", status)

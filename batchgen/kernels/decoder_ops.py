@@ -37,7 +37,7 @@ _SIGNATURES = {
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     return load_build()
 
 
@@ -54,7 +54,7 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 
 def is_available() -> bool:
-    return _library() is not None
+    return library() is not None
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -66,7 +66,7 @@ def add_rms_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | No
     """``residual += x`` (when ``x`` is given), then ``out = weight * rmsnorm(residual)``; rows of
     width ``weight.numel()``."""
     hidden = weight.numel()
-    _library().bg_add_rms_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(),
+    library().bg_add_rms_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(),
                                residual.numel() // hidden, hidden, eps, DTYPE_CODES[residual.dtype],
                                torch.get_num_threads())
 
@@ -77,7 +77,7 @@ def add_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, 
     float32 ``weight`` (and ``bias``) applied before its one rounding: ``"rms_scaled"`` (Gemma's
     RMSNorm with (1 + w) given, OLMo 2's) or ``"layer"`` (LayerNorm); ``out`` may be ``residual``."""
     hidden = weight.numel()
-    _library().bg_add_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(), _pointer(bias),
+    library().bg_add_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(), _pointer(bias),
                            residual.numel() // hidden, hidden, eps, NORM_KINDS[kind], DTYPE_CODES[residual.dtype],
                            torch.get_num_threads())
 
@@ -108,7 +108,7 @@ def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tenso
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
     rotary_dim = cos.shape[-1] if cos.numel() else 0
     norm = qk_norm or NO_QK_NORM
-    _library().bg_rope_write_kv(q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    library().bg_rope_write_kv(q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                 qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), slots.shape[0],
                                 num_heads, k_cache.shape[2], head_dim, rotary_dim, _pointer(norm.q_weight),
                                 _pointer(norm.k_weight), head_dim if norm.per_head else 0, QK_NORM_KINDS[norm.kind],
@@ -118,14 +118,14 @@ def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tenso
 def gelu_tanh_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     """``out = gelu_tanh(gate) * up`` where ``gate_up`` rows are gate then up (each ``out``'s width)."""
     width = out.shape[-1]
-    _library().bg_gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
+    library().bg_gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
                                 DTYPE_CODES[out.dtype], torch.get_num_threads())
 
 
 def silu_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     """``out = silu(gate) * up`` where ``gate_up`` rows are gate then up (each ``out``'s width)."""
     width = out.shape[-1]
-    _library().bg_silu_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
+    library().bg_silu_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
                            DTYPE_CODES[out.dtype], torch.get_num_threads())
 
 
@@ -134,14 +134,14 @@ def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tens
     limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, rounded as its tensor ops round."""
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], width))
-    _library().bg_clamped_glu(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width, alpha, limit,
+    library().bg_clamped_glu(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width, alpha, limit,
                               DTYPE_CODES[out.dtype], torch.get_num_threads())
     return out
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh GELU of contiguous `x` (transformers' NewGELUActivation, rounded as its ops round), in place."""
-    _library().bg_gelu_new(x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], torch.get_num_threads())
+    library().bg_gelu_new(x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], torch.get_num_threads())
     return x
 
 
@@ -162,7 +162,7 @@ def moe_route(expert_ids: torch.Tensor, num_experts: int) -> MoeRoute:
     num_rows, k = expert_ids.shape
     counts, rows, positions = torch.empty(num_experts + 2 * num_rows * k, dtype=torch.int64).split(
         [num_experts, num_rows * k, num_rows * k])
-    _library().bg_moe_route(expert_ids.data_ptr(), num_rows, k, num_experts, counts.data_ptr(), rows.data_ptr(),
+    library().bg_moe_route(expert_ids.data_ptr(), num_rows, k, num_experts, counts.data_ptr(), rows.data_ptr(),
                             positions.data_ptr())
     return MoeRoute(counts.tolist(), counts, rows, positions.view(num_rows, k))
 
@@ -173,6 +173,6 @@ def moe_combine(out: torch.Tensor, expert_rows: torch.Tensor, route: MoeRoute, w
     dtype, as transformers' loop over experts multiplies then index_adds into zeros; `out`'s rows
     past `route`'s are 0. `weights`: [rows, k] float32, the router's weights of each (row, slot)."""
     num_rows, k = route.positions.shape
-    _library().bg_moe_combine(out.data_ptr(), expert_rows.data_ptr(), route.positions.data_ptr(),
+    library().bg_moe_combine(out.data_ptr(), expert_rows.data_ptr(), route.positions.data_ptr(),
                               weights.contiguous().data_ptr(), num_rows, k, len(out), out.shape[-1],
                               DTYPE_CODES[out.dtype], torch.get_num_threads())

@@ -40,7 +40,7 @@ COMPILE_FLAGS = ("-ffp-contract=off",)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     return load_build()
 
 
@@ -59,23 +59,23 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 def is_available() -> bool:
     """Whether this machine's build holds the kernel."""
-    return _library() is not None
+    return library() is not None
 
 
 def instructions() -> str | None:
     """The instructions this machine's build runs the products on (``AMX-INT8`` or
     ``AVX512-VNNI``), or None without a kernel."""
-    library = _library()
-    if library is None:
+    built = library()
+    if built is None:
         return None
-    return "AMX-INT8" if library.bg_int8_gemm_panel_columns() == AMX_PANEL_COLUMNS else "AVX512-VNNI"
+    return "AMX-INT8" if built.bg_int8_gemm_panel_columns() == AMX_PANEL_COLUMNS else "AVX512-VNNI"
 
 
 @functools.cache
 def padded_inputs(in_features: int) -> int:
     """`in_features` padded to the kernel's input multiple (64): a packed weight's and a
     quantized row's length."""
-    multiple = _library().bg_int8_gemm_input_multiple()
+    multiple = library().bg_int8_gemm_input_multiple()
     return -(-in_features // multiple) * multiple
 
 
@@ -85,7 +85,7 @@ def pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quad, its columns' four values side by side; compensation [panels x columns] int32 is 128
     times each column's sum (the VNNI path's unsigned inputs)."""
     n, k = values.shape
-    columns = _library().bg_int8_gemm_panel_columns()
+    columns = library().bg_int8_gemm_panel_columns()
     panels, k_padded = -(-n // columns), padded_inputs(k)
     packed = values.new_empty((panels, k_padded // 4, columns, 4))
     compensation = torch.zeros(panels * columns, dtype=torch.int32, device=values.device)
@@ -109,7 +109,7 @@ def gated_order(out_features: int) -> torch.Tensor:
 _scratch = threading.local()  # each thread's buffer for its products' quantized rows
 
 
-def _scratch_address(size: int) -> int:
+def scratch_address(size: int) -> int:
     """The address of this thread's scratch of at least `size` bytes, grown as needed and kept: a
     product uses it during its call alone, and a thread's calls come one after another."""
     buffer = getattr(_scratch, "buffer", None)
@@ -136,10 +136,10 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
     m, k = x.shape
     k_padded = padded_inputs(k)
     rows = 2 * m if split_inputs else m  # quantized rows
-    quantized = _scratch_address(rows * (k_padded + 4))  # the rows' int8 values, then their float32 scales
+    quantized = scratch_address(rows * (k_padded + 4))  # the rows' int8 values, then their float32 scales
     out = x.new_empty((m, out_features // 2 if gated else out_features))
     with profiler_span(INT8_LINEAR_SPAN):
-        _library().bg_int8_linear(x.data_ptr(), row_stride, m, k, None if smoothing is None else smoothing.data_ptr(),
+        library().bg_int8_linear(x.data_ptr(), row_stride, m, k, None if smoothing is None else smoothing.data_ptr(),
                                   quantized, quantized + rows * k_padded, k_padded, panels.data_ptr(),
                                   scales.data_ptr(), compensation.data_ptr(), None if bias is None else bias.data_ptr(),
                                   out_features, GATED_ACTIVATIONS.get(gated, 0), int(split_inputs), out.data_ptr(),

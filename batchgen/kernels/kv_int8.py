@@ -87,7 +87,7 @@ def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     library = load_library("kv_int8_attention.c")
     if library is None or not library.bg_kv_int8_attention_available():
         return None
@@ -109,11 +109,11 @@ def _store_in_c(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
                 slot_mapping: torch.Tensor) -> bool:
     """`store` into an int8 cache by the C kernel (the same rows `quantize` gives); False, writing
     nothing, where it does not run."""
-    library = _library()
-    if (library is None or not (_rows_of_heads(k) and _rows_of_heads(v)) or slot_mapping.dtype != torch.int64
+    built = library()
+    if (built is None or not (_rows_of_heads(k) and _rows_of_heads(v)) or slot_mapping.dtype != torch.int64
             or not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache, slot_mapping))):
         return False
-    status = library.bg_kv_int8_store(
+    status = built.bg_kv_int8_store(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), len(slot_mapping), k.shape[1], k.shape[2], k_cache.shape[0] * k_cache.shape[1],
         torch.get_num_threads())
@@ -122,7 +122,7 @@ def _store_in_c(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 def is_available() -> bool:
     """Whether this machine's build holds the int8 decode kernel."""
-    return _library() is not None
+    return library() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
@@ -130,14 +130,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Decode rows over an int8 pool (`attention_kernel`'s contract, the pool's rows
     [.., head_dim + SCALE_BYTES]). A group's shared blocks are read once for all its members
     (cascade attention), each member's result the same as without the group."""
-    library = _library()
-    if (library is None or not variant.is_full or not is_int8(k_cache) or q.dtype != torch.bfloat16
+    built = library()
+    if (built is None or not variant.is_full or not is_int8(k_cache) or q.dtype != torch.bfloat16
             or not seqs.on_cpu_contiguous
             or not all(t.is_cpu and t.is_contiguous() for t in (q, k_cache, v_cache, out))):
         return False
     check_inputs(q, k_cache, v_cache, seqs, out)
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    status = library.bg_kv_int8_decode_attention(
+    status = built.bg_kv_int8_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
         seqs.context_lens.data_ptr(), None if seqs.groups is None else seqs.groups.data_ptr(), seqs.num_groups,
         len(seqs.context_lens), q.shape[1], num_kv_heads, head_dim_of(k_cache),
@@ -147,13 +147,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def dequantized_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`dequantize(cache[blocks], dtype)` of an int8 pool (in C for bf16 where the kernels run)."""
-    library = _library()
+    built = library()
     head_dim = head_dim_of(cache)
-    if library is None or dtype != torch.bfloat16 or not (cache.is_cpu and cache.is_contiguous()):
+    if built is None or dtype != torch.bfloat16 or not (cache.is_cpu and cache.is_contiguous()):
         return dequantize(cache[blocks], dtype)
     blocks = blocks.to(torch.int64).contiguous()
     out = torch.empty((len(blocks), *cache.shape[1:-1], head_dim), dtype=dtype)
-    status = library.bg_kv_int8_dequantize(cache.data_ptr(), blocks.data_ptr(), len(blocks), cache.shape[0],
+    status = built.bg_kv_int8_dequantize(cache.data_ptr(), blocks.data_ptr(), len(blocks), cache.shape[0],
                                            cache.shape[1] * cache.shape[2], head_dim, out.data_ptr(),
                                            torch.get_num_threads())
     return out if check_status("kv_int8 dequantize", status) else dequantize(cache[blocks], dtype)

@@ -56,7 +56,7 @@ def ops(request, monkeypatch) -> Ops:
     loops that a CPU without AVX-512 runs, or the Triton kernels."""
     if request.param == "c-portable":
         library = decoder_ops.load_build(("-mno-avx512f",))
-        monkeypatch.setattr(decoder_ops, "_library", lambda: library)
+        monkeypatch.setattr(decoder_ops, "library", lambda: library)
     if request.param.startswith("triton"):
         return Ops(cuda_decoder_ops, "cuda" if request.param == "triton-cuda" else "cpu")
     return Ops(decoder_ops, "cpu")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or no AVX512-V
 
 @pytest.fixture(autouse=True, params=BUILDS)
 def build(request, monkeypatch):
-    monkeypatch.setattr(int8_gemm, "_library", lambda: request.param)
+    monkeypatch.setattr(int8_gemm, "library", lambda: request.param)
     return request.param
 
 
