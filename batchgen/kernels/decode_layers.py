@@ -16,8 +16,8 @@ Invariants:
 - `run` takes a step only where every row is a decode row and the pool is int8; it reads and
   writes the buffers `FusedDecoder.forward` would (`rows.normed` holds the first layer's
   attention norm on entry and the final norm on return).
-- Its only state is each layer's constants, read once from the decoder's packed weights, which it
-  keeps alive.
+- Its only state is each layer's constants, read once: pointers into the decoder's packed weights
+  and norms, so it lives as long as the decoder that holds them (as its attribute).
 """
 
 from __future__ import annotations
@@ -67,9 +67,6 @@ class _Step(ctypes.Structure):
                                   "num_blocks", "block_size", "max_blocks", "num_threads")]
 
 
-LAYER_STEP_FIELDS = 5  # decode_layers.c's LayerStep: k_cache, v_cache, cos, sin, rotary_dim (8 bytes each)
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     library = load_library("decode_layers.c")
@@ -96,14 +93,17 @@ def is_available() -> bool:
     return _kernels() is not None
 
 
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def _product(packed: PackedWeight | None, in_features: int) -> _Product | None:
     """`packed`'s constants, where it is a W8A8 product on `int8_gemm` of one part per row."""
     weight = None if packed is None else packed.int8
     if weight is None or weight.panels is None or not weight.activations_quantized or weight.split_inputs:
         return None
-    pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
-    return _Product(pointer(weight.smoothing), weight.panels.data_ptr(), weight.scales.data_ptr(),
-                    weight.compensation.data_ptr(), pointer(packed.bias), in_features,
+    return _Product(_pointer(weight.smoothing), weight.panels.data_ptr(), weight.scales.data_ptr(),
+                    weight.compensation.data_ptr(), _pointer(packed.bias), in_features,
                     int8_gemm.padded_inputs(in_features), packed.out_features,
                     int8_gemm.GATED_ACTIVATIONS.get(weight.gated, 0))
 
@@ -125,8 +125,7 @@ def _layer(layer, next_norm, hidden_size: int, num_heads: int, head_dim: int) ->
     if None in products or None in norms:
         return None
     qk_norm = layer.qk_norm or decoder_ops.NO_QK_NORM  # as `decoder_ops.rope_write_kv` passes it
-    q_norm, k_norm = (None if weight is None else weight.data_ptr() for weight in (qk_norm.q_weight, qk_norm.k_weight))
-    return _Layer(*products, *norms, q_norm, k_norm, head_dim if qk_norm.per_head else 0,
+    return _Layer(*products, *norms, _pointer(qk_norm.q_weight), _pointer(qk_norm.k_weight), head_dim if qk_norm.per_head else 0,
                   decoder_ops.QK_NORM_KINDS[qk_norm.kind], qk_norm.eps, layer.scale)
 
 
@@ -139,6 +138,8 @@ class DecodeLayers:
     hidden_size: int
     num_heads: int
     head_dim: int
+    qkv_width: int  # the widest layer's q|k|v product
+    mlp_width: int  # the widest layer's gated MLP rows
     largest_padded_inputs: int  # of every product: the quantized rows' scratch per row
 
     @classmethod
@@ -151,13 +152,12 @@ class DecodeLayers:
         next_norms = [layer.attn_norm for layer in decoder.layers[1:]] + [decoder.final_norm]
         layers = [_layer(layer, next_norm, hidden_size, decoder.num_heads, decoder.head_dim)
                   for layer, next_norm in zip(decoder.layers, next_norms)]
-        kernels = None if None in layers or decoder.final_norm.weight.dtype != torch.bfloat16 else _kernels()
-        if kernels is None:
+        if None in layers or decoder.final_norm.weight.dtype != torch.bfloat16 or _kernels() is None:
             return None
-        largest = max(product.padded_inputs for layer in layers for product in (layer.qkv, layer.o, layer.mlp_in,
-                                                                                 layer.mlp_out))
-        return cls(kernels, (_Layer * len(layers))(*layers), hidden_size, decoder.num_heads, decoder.head_dim,
-                   largest)
+        products = [product for layer in layers for product in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)]
+        return cls(_kernels(), (_Layer * len(layers))(*layers), hidden_size, decoder.num_heads, decoder.head_dim,
+                   max(layer.qkv.out_features for layer in layers), max(layer.mlp_out.in_features for layer in layers),
+                   max(product.padded_inputs for product in products))
 
     @staticmethod
     def takes(step, num_tokens: int) -> bool:
@@ -179,11 +179,12 @@ class DecodeLayers:
         seqs, num_tokens, padded_rows = metadata.decode_seqs, rows.num_tokens, len(rows.residual)
         pools = list(zip(step.k_caches, step.v_caches))
         check_inputs(rows.heads[:num_tokens], *pools[0], seqs, rows.attended[:num_tokens])
+        # decode_layers.c's LayerStep of each layer: k_cache, v_cache, cos, sin, rotary_dim (8 bytes each)
         layer_steps = torch.tensor([[k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                      cos.shape[-1] if cos.numel() else 0]
                                     for (k_cache, v_cache), (cos, sin) in zip(pools, rotations)], dtype=torch.int64)
-        qkv = rows.residual.new_empty((padded_rows, self.layers[0].qkv.out_features))
-        hidden = rows.residual.new_empty((padded_rows, self.layers[0].mlp_in.out_features // 2))
+        qkv = rows.residual.new_empty((padded_rows, self.qkv_width))
+        hidden = rows.residual.new_empty((padded_rows, self.mlp_width))
         out = torch.empty_like(rows.residual)
         quantized = int8_gemm.scratch_address(padded_rows * (self.largest_padded_inputs + 4))
         num_blocks, block_size, num_kv_heads, _ = step.k_caches[0].shape
