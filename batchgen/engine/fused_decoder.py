@@ -226,7 +226,7 @@ class FusedDecoder:
         self.row_bucket = row_bucket([self.lm_head] + [weight for layer in self.layers
                                                         for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)
                                                         if weight is not None])
-        self.decode_layers = DecodeLayers.of(self) if quantization == "int8" else None
+        self.decode_layers = DecodeLayers.of(self, gated_activation(self.spec)) if model.device.type == "cpu" else None
 
     @classmethod
     def build(cls, model, quantization: str = "none",
@@ -264,7 +264,7 @@ class FusedDecoder:
         kept_rows = slice(num_tokens)
         if logit_indices is not None and tail is None:
             kept_rows = torch.tensor(logit_indices, dtype=torch.long, device=input_ids.device)
-        if self.decode_layers is not None and self.decode_layers.takes(step, num_tokens):
+        if self.decode_layers is not None and self.decode_layers.takes(step, rows):
             layer_rotations = [rotations[layer.rotary_key] for layer in self.layers]
             if self.decode_layers.run(rows, keys, kv_target, layer_rotations, step):
                 return self.logits(rows.normed[kept_rows])

@@ -27,7 +27,7 @@ PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # the prefill kernel's: its queries and
 
 
 @functools.cache
-def _load_kernel() -> ctypes.CDLL | None:
+def load_kernel() -> ctypes.CDLL | None:
     """The kernel's library (its prefill and decode entry points typed), or None where it cannot run."""
     library = load_library("amx_attention.c")
     if library is None or not library.bg_amx_attention_available():
@@ -44,7 +44,7 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
 
 def supports_prefill(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the prefill kernel runs this dtype and head size here (bf16, a multiple of 64 up to 256)."""
-    return dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS and _load_kernel() is not None
+    return dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS and load_kernel() is not None
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
@@ -54,7 +54,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     is dequantized as it is staged, as `kv_int8.dequantize` rounds it to bf16: the same attention
     as over those rows dequantized. Does not run where `supports_prefill` refuses q's dtype or head
     size, or for a tensor that is not contiguous."""
-    library = _load_kernel()
+    library = load_kernel()
     return run_c_kernel(library and library.bg_amx_prefill_attention, "amx paged_prefill_attention", q, k_cache,
                         v_cache, seqs, scale, out, variant)
 
@@ -65,6 +65,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     per kv head (four column sets of 16). No K/V is copied: the pool's rows are the tiles'
     operands. Does not run where `supports` refuses q, for a block size not a multiple of 16,
     more than 16 query heads per kv head, or a tensor that is not contiguous."""
-    library = _load_kernel()
+    library = load_kernel()
     return run_c_kernel(library and library.bg_amx_decode_attention, "amx paged_decode_attention", q, k_cache,
                         v_cache, seqs, scale, out, variant)

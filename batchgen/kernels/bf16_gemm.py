@@ -32,7 +32,7 @@ UNLIMITED_ROWS = 2**63 - 1  # `max_rows()` of a kernel that beats oneDNN at ever
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     return load_build()
 
 
@@ -60,20 +60,20 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 def takes(in_features: int) -> bool:
     """Whether this machine's build holds the kernel and it takes weights of `in_features`
     inputs (a multiple of 2; of 32 on the AMX path)."""
-    library = _library()
-    return library is not None and in_features % library.bg_bf16_gemm_input_multiple() == 0
+    built = library()
+    return built is not None and in_features % built.bg_bf16_gemm_input_multiple() == 0
 
 
 def max_rows() -> int:
     """The most rows of a product for which this build's kernel beats oneDNN: UNLIMITED_ROWS on
     the AVX512-BF16 path, 1,024 on the AMX path, 0 without a kernel."""
-    library = _library()
-    return 0 if library is None else library.bg_bf16_gemm_max_rows()
+    built = library()
+    return 0 if built is None else built.bg_bf16_gemm_max_rows()
 
 
 def is_available() -> bool:
     """Whether this machine's build holds the kernel."""
-    return _library() is not None
+    return library() is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     build's panel columns (96; 32 on the AMX path) output columns (zeros past n), each holding,
     for every input pair, its columns' two values side by side."""
     n, k = weight.shape
-    columns = _library().bg_bf16_gemm_panel_columns()
+    columns = library().bg_bf16_gemm_panel_columns()
     panels = -(-n // columns)
     padded = F.pad(weight.detach(), (0, 0, 0, panels * columns - n))
     return padded.view(panels, columns, k // 2, 2).transpose(1, 2).contiguous()
@@ -92,7 +92,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     x = x.contiguous()
     out = x.new_empty((x.shape[0], out_features))
     with profiler_span(BF16_LINEAR_SPAN):
-        _library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
+        library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
                                   None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
                                   torch.get_num_threads())
     return out
@@ -107,7 +107,7 @@ def linear_int8_weight(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     threads = torch.get_num_threads()
     widened = torch.empty((threads, packed[0].numel()), dtype=torch.bfloat16)  # a panel per thread
     with profiler_span(BF16_LINEAR_SPAN):
-        _library().bg_bf16_linear_int8_weight(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
+        library().bg_bf16_linear_int8_weight(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
                                               scales.data_ptr(), len(scales), widened.data_ptr(), out.data_ptr(),
                                               threads)
     return out
@@ -122,7 +122,7 @@ def linear_groups(x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, 
     x = x.contiguous()
     out = x.new_empty((x.shape[0], out_features))
     with profiler_span(BF16_LINEAR_SPAN):
-        _library().bg_bf16_linear_groups(x.data_ptr(), counts.data_ptr(), len(counts), x.shape[1], weights.data_ptr(),
+        library().bg_bf16_linear_groups(x.data_ptr(), counts.data_ptr(), len(counts), x.shape[1], weights.data_ptr(),
                                          None if biases is None else biases.data_ptr(), out_features, out.data_ptr(),
                                          torch.get_num_threads())
     return out

@@ -35,7 +35,7 @@ class Kernel:
 
 
 @functools.cache
-def _load_kernel() -> Kernel | None:
+def load_kernel() -> Kernel | None:
     """This machine's build's entry points, or None if unavailable."""
     return load_build()
 
@@ -56,7 +56,7 @@ def load_build(extra_flags: tuple[str, ...] = ()) -> Kernel | None:
 
 def is_available() -> bool:
     """True when the kernel is built and loaded (the result is cached)."""
-    return _load_kernel() is not None
+    return load_kernel() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs,
@@ -65,7 +65,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     compiler has ``_Float16``) and head size; a group's prefix is read once for up to 16 of its
     members (cascade). Does not run without a build here, for float16 on a build without it, or
     for a tensor that is not contiguous."""
-    kernel = _load_kernel()
+    kernel = load_kernel()
     return run_c_kernel(kernel and kernel.decode, "paged_decode_attention", q, k_cache, v_cache, seqs, scale, out,
                         variant)
 
@@ -73,7 +73,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `paged_prefill_attention` runs this dtype and head size here (its AVX-512 or AVX2
     code: float32 / bfloat16, head_dim a multiple of 32)."""
-    kernel = _load_kernel()
+    kernel = load_kernel()
     return kernel is not None and dtype in (torch.float32, torch.bfloat16) and bool(
         kernel.prefill_supported(DTYPE_CODES[dtype], head_dim))
 
@@ -83,7 +83,7 @@ def prefill_is_preferred(dtype: torch.dtype) -> bool:
     yes, except bf16 on a CPU with AMX-BF16, where torch's flash attention (oneDNN's AMX tile
     products) runs a 2,048-token causal prefill 3.1x faster (9.8 against 30.7 ms a layer) and
     512 tokens 2.1x (scripts/bench_cpu_attention.py, 2-core Intel Xeon with AMX)."""
-    kernel = _load_kernel()
+    kernel = load_kernel()
     return kernel is not None and not (dtype == torch.bfloat16 and kernel.has_amx_bf16)
 
 
@@ -92,6 +92,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Causal prefill attention under `attention_kernel`'s contract, each chunk over its whole
     context (it ignores `seqs.groups`). Does not run where `prefill_supported` refuses q's dtype
     and head size, or for a tensor that is not contiguous."""
-    kernel = _load_kernel()
+    kernel = load_kernel()
     return run_c_kernel(kernel and kernel.prefill, "paged_prefill_attention", q, k_cache, v_cache, seqs, scale, out,
                         variant)

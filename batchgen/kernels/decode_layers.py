@@ -28,22 +28,28 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import decoder_ops, int8_gemm, kv_int8
+from batchgen.kernels import amx_attention, bf16_gemm, cpu_attention, decoder_ops, int8_gemm, kv_int8
 from batchgen.kernels.attention_kernel import check_inputs
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.cpu_linear import PackedWeight
 from batchgen.kernels.kernel_status import check_status
 
 _POINTER, _INT, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# the decode kernels the loop calls in C in their place, as imported (a function put in their place later runs as it is)
+INT8_POOL_DECODE = kv_int8.paged_decode_attention
+AMX_DECODE, CPU_DECODE = amx_attention.paged_decode_attention, cpu_attention.paged_decode_attention
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("add_rms_norm", _POINTER), ("int8_linear", _POINTER), ("rope_write_kv", _POINTER),
-                ("kv_store", _POINTER), ("decode_attention", _POINTER)]
+    _fields_ = [("add_rms_norm", _POINTER), ("int8_linear", _POINTER), ("bf16_linear", _POINTER),
+                ("rope_write_kv", _POINTER), ("kv_store", _POINTER), ("decode_attention", _POINTER)]
+
+
+PRODUCT_BF16, PRODUCT_INT8 = 0, 1  # decode_layers.c's PRODUCT_*
 
 
 class _Product(ctypes.Structure):
-    _fields_ = [("smoothing", _POINTER), ("panels", _POINTER), ("scales", _POINTER), ("compensation", _POINTER),
+    _fields_ = [("kind", _INT), ("smoothing", _POINTER), ("panels", _POINTER), ("scales", _POINTER), ("compensation", _POINTER),
                 ("bias", _POINTER), ("in_features", _INT64), ("padded_inputs", _INT64), ("out_features", _INT64),
                 ("gated", _INT)]
 
@@ -54,13 +60,14 @@ class _Norm(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Product), ("o", _Product), ("mlp_in", _Product), ("mlp_out", _Product),
-                ("mlp_norm", _Norm), ("next_norm", _Norm), ("q_norm", _POINTER), ("k_norm", _POINTER),
+                ("mlp_norm", _Norm), ("next_norm", _Norm), ("activation", _POINTER), ("q_norm", _POINTER),
+                ("k_norm", _POINTER),
                 ("qk_norm_width", _INT), ("qk_norm_kind", _INT), ("qk_norm_eps", _FLOAT), ("scale", _FLOAT)]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [(name, _POINTER) for name in ("residual", "normed", "qkv", "heads", "keys", "attended", "hidden",
-                                              "out", "scratch_k", "scratch_v", "quantized", "scratch_slots", "slots",
+    _fields_ = [(name, _POINTER) for name in ("float_decode", "residual", "normed", "qkv", "heads", "keys",
+                                              "attended", "gate_up", "hidden", "out", "scratch_k", "scratch_v", "quantized", "scratch_slots", "slots",
                                               "block_tables", "context_lens", "groups", "layers")] + [
         ("rows", _INT64), ("num_slots", _INT64)] + [
         (name, _INT) for name in ("num_tokens", "num_groups", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
@@ -78,18 +85,34 @@ def library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _kernels() -> _Kernels | None:
-    """The kernels' entry points, where every library is built here."""
-    libraries = (library(), decoder_ops.library(), int8_gemm.library(), kv_int8.library())
-    if any(library is None for library in libraries):
+    """The kernels' entry points (0 for a product kernel whose library is not built here), where the
+    loop and the decoder ops are built here."""
+    if library() is None or decoder_ops.library() is None:
         return None
-    _, ops, products, kv = libraries
-    functions = (ops.bg_add_rms_norm, products.bg_int8_linear, ops.bg_rope_write_kv, kv.bg_kv_int8_store,
-                 kv.bg_kv_int8_decode_attention)
-    return _Kernels(*(ctypes.cast(function, _POINTER).value for function in functions))
+    ops, products, bf16_products, kv = (decoder_ops.library(), int8_gemm.library(), bf16_gemm.library(),
+                                         kv_int8.library())
+    return _Kernels(_address(ops, "bg_add_rms_norm"), _address(products, "bg_int8_linear"),
+                    _address(bf16_products, "bg_bf16_linear"), _address(ops, "bg_rope_write_kv"),
+                    _address(kv, "bg_kv_int8_store"), _address(kv, "bg_kv_int8_decode_attention"))
+
+
+def _address(built: ctypes.CDLL | None, name: str) -> int | None:
+    return None if built is None else ctypes.cast(getattr(built, name), _POINTER).value
+
+
+@functools.cache
+def _float_decodes() -> dict:
+    """A bf16 pool's decode kernels (`attention.NativeBackend.decode`) -> their C entry points."""
+    entries = {}
+    if amx_attention.load_kernel() is not None:
+        entries[AMX_DECODE] = _address(amx_attention.load_kernel(), "bg_amx_decode_attention")
+    if cpu_attention.load_kernel() is not None:
+        entries[CPU_DECODE] = ctypes.cast(cpu_attention.load_kernel().decode, _POINTER).value
+    return entries
 
 
 def is_available() -> bool:
-    """Whether this machine's builds hold the loop and every kernel it calls."""
+    """Whether this machine's builds hold the loop and the decoder ops it calls."""
     return _kernels() is not None
 
 
@@ -98,11 +121,18 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 
 def _product(packed: PackedWeight | None, in_features: int) -> _Product | None:
-    """`packed`'s constants, where it is a W8A8 product on `int8_gemm` of one part per row."""
-    weight = None if packed is None else packed.int8
-    if weight is None or weight.panels is None or not weight.activations_quantized or weight.split_inputs:
+    """`packed`'s constants, where it is a product on `bf16_gemm` or a W8A8 one on `int8_gemm` of
+    one part per row."""
+    if packed is None or packed.dense is not None:
         return None
-    return _Product(_pointer(weight.smoothing), weight.panels.data_ptr(), weight.scales.data_ptr(),
+    weight = packed.int8
+    if weight is None:
+        return None if packed.panels is None else _Product(PRODUCT_BF16, None, packed.panels.data_ptr(), None, None,
+                                                           _pointer(packed.bias), in_features, in_features,
+                                                           packed.out_features, 0)
+    if weight.panels is None or not weight.activations_quantized or weight.split_inputs:
+        return None
+    return _Product(PRODUCT_INT8, _pointer(weight.smoothing), weight.panels.data_ptr(), weight.scales.data_ptr(),
                     weight.compensation.data_ptr(), _pointer(packed.bias), in_features,
                     int8_gemm.padded_inputs(in_features), packed.out_features,
                     int8_gemm.GATED_ACTIVATIONS.get(weight.gated, 0))
@@ -113,11 +143,12 @@ def _norm(norm) -> _Norm | None:
     return None if norm is None or norm.kind != "rms" else _Norm(norm.weight.data_ptr(), norm.eps)
 
 
-def _layer(layer, next_norm, hidden_size: int, num_heads: int, head_dim: int) -> _Layer | None:
-    """A `fused_decoder.FusedLayer`'s constants, where ``decode_layers.c`` runs it."""
+def _layer(layer, next_norm, hidden_size: int, num_heads: int, head_dim: int, activation: int | None) -> _Layer | None:
+    """A `fused_decoder.FusedLayer`'s constants, where ``decode_layers.c`` runs it; `activation`:
+    the gated MLP's activation pass (its C entry point), for a product that does not apply it."""
     if (layer.moe is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
             or _norm(layer.attn_norm) is None or not layer.variant.is_full or layer.mlp_in is None
-            or layer.mlp_in.gated is None):
+            or (layer.mlp_in.gated is None and activation is None)):
         return None
     products = [_product(layer.qkv, hidden_size), _product(layer.o, num_heads * head_dim),
                 _product(layer.mlp_in, hidden_size), _product(layer.mlp_out, layer.mlp_in.out_features // 2)]
@@ -125,7 +156,7 @@ def _layer(layer, next_norm, hidden_size: int, num_heads: int, head_dim: int) ->
     if None in products or None in norms:
         return None
     qk_norm = layer.qk_norm or decoder_ops.NO_QK_NORM  # as `decoder_ops.rope_write_kv` passes it
-    return _Layer(*products, *norms, _pointer(qk_norm.q_weight), _pointer(qk_norm.k_weight), head_dim if qk_norm.per_head else 0,
+    return _Layer(*products, *norms, None if layer.mlp_in.gated else activation, _pointer(qk_norm.q_weight), _pointer(qk_norm.k_weight), head_dim if qk_norm.per_head else 0,
                   decoder_ops.QK_NORM_KINDS[qk_norm.kind], qk_norm.eps, layer.scale)
 
 
@@ -139,43 +170,59 @@ class DecodeLayers:
     num_heads: int
     head_dim: int
     qkv_width: int  # the widest layer's q|k|v product
+    gate_up_width: int  # the widest layer's gate|up rows where an activation pass follows; else 0
     mlp_width: int  # the widest layer's gated MLP rows
-    largest_padded_inputs: int  # of every product: the quantized rows' scratch per row
+    largest_padded_inputs: int  # of every int8 product: the quantized rows' scratch per row; else 0
+    max_rows: int  # the most rows its bf16 products run on `bf16_gemm`
 
     @classmethod
-    def of(cls, decoder) -> DecodeLayers | None:
-        """`decoder`'s (a `fused_decoder.FusedDecoder`) layers, where ``decode_layers.c`` runs every one."""
-        spec = decoder.spec
-        if spec.parallel or spec.residual_scale is not None or _norm(decoder.final_norm) is None:
+    def of(cls, decoder, activation: str | None) -> DecodeLayers | None:
+        """`decoder`'s (a `fused_decoder.FusedDecoder` of a bf16 model) layers, where
+        ``decode_layers.c`` runs every one; `activation`: its gated MLP's (``silu`` or
+        ``gelu_tanh``, `decoder_ops`' passes), or None."""
+        spec, kernels = decoder.spec, _kernels()
+        if (kernels is None or spec.parallel or spec.residual_scale is not None or _norm(decoder.final_norm) is None
+                or decoder.final_norm.weight.dtype != torch.bfloat16):
             return None
         hidden_size = decoder.final_norm.weight.numel()
+        activation_pass = None if activation is None else _address(decoder_ops.library(), f"bg_{activation}_mul")
         next_norms = [layer.attn_norm for layer in decoder.layers[1:]] + [decoder.final_norm]
-        layers = [_layer(layer, next_norm, hidden_size, decoder.num_heads, decoder.head_dim)
+        layers = [_layer(layer, next_norm, hidden_size, decoder.num_heads, decoder.head_dim, activation_pass)
                   for layer, next_norm in zip(decoder.layers, next_norms)]
-        if None in layers or decoder.final_norm.weight.dtype != torch.bfloat16 or _kernels() is None:
+        if None in layers:
             return None
         products = [product for layer in layers for product in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)]
-        return cls(_kernels(), (_Layer * len(layers))(*layers), hidden_size, decoder.num_heads, decoder.head_dim,
-                   max(layer.qkv.out_features for layer in layers), max(layer.mlp_out.in_features for layer in layers),
-                   max(product.padded_inputs for product in products))
+        kinds = {product.kind for product in products}
+        if PRODUCT_INT8 in kinds and not kernels.int8_linear or PRODUCT_BF16 in kinds and not kernels.bf16_linear:
+            return None
+        packed = [weight for layer in decoder.layers for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)
+                  if weight.int8 is None]
+        return cls(kernels, (_Layer * len(layers))(*layers), hidden_size, decoder.num_heads, decoder.head_dim,
+                   max(layer.qkv.out_features for layer in layers),
+                   max((layer.mlp_in.out_features for layer in layers if layer.activation), default=0),
+                   max(layer.mlp_out.in_features for layer in layers),
+                   max((product.padded_inputs for product in products if product.kind == PRODUCT_INT8), default=0),
+                   min((weight.kernel_rows for weight in packed), default=bf16_gemm.UNLIMITED_ROWS))
 
-    @staticmethod
-    def takes(step, num_tokens: int) -> bool:
-        """Whether `run` takes `step` (an `attention.AttentionStep` of `num_tokens` rows): every row
-        a decode row, over an int8 pool whose decode rows run on `kv_int8`'s kernel."""
-        metadata = step.metadata
-        return (metadata.num_decode_seqs == num_tokens and kv_int8.is_int8(step.k_caches[0])
-                and getattr(step.backend, "decode", None) is kv_int8.paged_decode_attention
+    def takes(self, step, rows) -> bool:
+        """Whether `run` takes `step` (an `attention.AttentionStep`) of `rows` (a
+        `fused_decoder.StepRows`): every row a decode row, over an int8 pool whose decode rows run
+        on `kv_int8`'s kernel or a bf16 pool on a C kernel, each bf16 product on `bf16_gemm`."""
+        metadata, pool = step.metadata, step.k_caches[0]
+        decode = getattr(step.backend, "decode", None)
+        pool_runs = (decode is INT8_POOL_DECODE if kv_int8.is_int8(pool)
+                     else pool.dtype == torch.bfloat16 and decode in _float_decodes())
+        return (pool_runs and metadata.num_decode_seqs == rows.num_tokens and len(rows.residual) <= self.max_rows
                 and metadata.slot_mapping.dtype == torch.int64 and metadata.decode_seqs.on_cpu_contiguous
                 and all(cache.is_contiguous() for cache in (*step.k_caches, *step.v_caches)))
 
-    def run(self, rows, keys: torch.Tensor, kv_target: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    def run(self, rows, keys: torch.Tensor, kv_target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
             rotations: list[tuple[torch.Tensor, torch.Tensor]], step) -> bool:
-        """Every layer of a step that `takes`, on `rows` (a `fused_decoder.StepRows`), `keys` and
-        `kv_target` (`FusedDecoder.int8_kv_target`), each layer rotated by its (cos, sin); False
-        where the kernels do not run this pool's shapes (the caller then runs the step its own way,
-        from the start: what was written is what that writes again)."""
-        metadata, (scratch_k, scratch_v, scratch_slots) = step.metadata, kv_target
+        """Every layer of a step that `takes`, on `rows` (a `fused_decoder.StepRows`), `keys` and,
+        for an int8 pool, `kv_target` (`FusedDecoder.int8_kv_target`), each layer rotated by its
+        (cos, sin); False where the kernels do not run this pool's shapes (the caller then runs the
+        step its own way, from the start: what was written is what that writes again)."""
+        metadata = step.metadata
         seqs, num_tokens, padded_rows = metadata.decode_seqs, rows.num_tokens, len(rows.residual)
         pools = list(zip(step.k_caches, step.v_caches))
         check_inputs(rows.heads[:num_tokens], *pools[0], seqs, rows.attended[:num_tokens])
@@ -183,19 +230,20 @@ class DecodeLayers:
         layer_steps = torch.tensor([[k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                      cos.shape[-1] if cos.numel() else 0]
                                     for (k_cache, v_cache), (cos, sin) in zip(pools, rotations)], dtype=torch.int64)
-        qkv = rows.residual.new_empty((padded_rows, self.qkv_width))
-        hidden = rows.residual.new_empty((padded_rows, self.mlp_width))
-        out = torch.empty_like(rows.residual)
+        buffers = [rows.residual.new_empty((padded_rows, width)) for width in (self.qkv_width, self.gate_up_width,
+                                                                               self.mlp_width, self.hidden_size)]
+        scratch_k, scratch_v, scratch_slots = (None, None, None) if kv_target is None else kv_target
         quantized = int8_gemm.scratch_address(padded_rows * (self.largest_padded_inputs + 4))
         num_blocks, block_size, num_kv_heads, _ = step.k_caches[0].shape
-        c_step = _Step(rows.residual.data_ptr(), rows.normed.data_ptr(), qkv.data_ptr(), rows.heads.data_ptr(),
-                       keys.data_ptr(), rows.attended.data_ptr(), hidden.data_ptr(), out.data_ptr(),
-                       scratch_k.data_ptr(), scratch_v.data_ptr(), quantized, scratch_slots.data_ptr(),
-                       metadata.slot_mapping.data_ptr(), seqs.block_tables.data_ptr(), seqs.context_lens.data_ptr(),
-                       None if seqs.groups is None else seqs.groups.data_ptr(), layer_steps.data_ptr(), padded_rows,
-                       num_blocks * block_size, num_tokens, seqs.num_groups, self.num_heads, num_kv_heads,
-                       self.head_dim, self.hidden_size, num_blocks, block_size, seqs.block_tables.shape[1],
-                       torch.get_num_threads())
+        float_decode = None if kv_target is not None else _float_decodes()[step.backend.decode]
+        qkv, gate_up, hidden, out = (buffer.data_ptr() for buffer in buffers)
+        c_step = _Step(float_decode, rows.residual.data_ptr(), rows.normed.data_ptr(), qkv, rows.heads.data_ptr(),
+                       keys.data_ptr(), rows.attended.data_ptr(), gate_up, hidden, out, _pointer(scratch_k),
+                       _pointer(scratch_v), quantized, _pointer(scratch_slots), metadata.slot_mapping.data_ptr(),
+                       seqs.block_tables.data_ptr(), seqs.context_lens.data_ptr(), _pointer(seqs.groups),
+                       layer_steps.data_ptr(), padded_rows, num_blocks * block_size, num_tokens, seqs.num_groups,
+                       self.num_heads, num_kv_heads, self.head_dim, self.hidden_size, num_blocks, block_size,
+                       seqs.block_tables.shape[1], torch.get_num_threads())
         status = library().bg_decode_layers(ctypes.addressof(self.kernels), ctypes.addressof(c_step),
-                                             ctypes.addressof(self.layers), len(self.layers))
+                                            ctypes.addressof(self.layers), len(self.layers))
         return check_status("decode_layers", status)

@@ -40,7 +40,7 @@ def generate(model, monkeypatch, sequenced: bool, **options):
 
     monkeypatch.setattr(DecodeLayers, "run", counted_run)
     if not sequenced:
-        monkeypatch.setattr(DecodeLayers, "of", classmethod(lambda cls, decoder: None))
+        monkeypatch.setattr(DecodeLayers, "of", classmethod(lambda cls, decoder, activation: None))
     llm = LLM(model, tokenizer=tiny_tokenizer(), kv_cache_memory=2**22, **options)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -48,20 +48,22 @@ def generate(model, monkeypatch, sequenced: bool, **options):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], runs
 
 
+MODES = {"bf16": {}, "int8": dict(quantization="int8"), "int8-kv": dict(kv_cache_dtype="int8"),
+         "int8+int8-kv": dict(quantization="int8", kv_cache_dtype="int8")}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: q/k norms before the rotation
-def test_decode_steps_in_one_call_give_the_layer_loops_bits(monkeypatch, family):
+def test_decode_steps_in_one_call_give_the_layer_loops_bits(monkeypatch, family, mode):
     model = bf16_model(family)
-    options = dict(quantization="int8", kv_cache_dtype="int8")
-    expected, no_runs = generate(model, monkeypatch, sequenced=False, **options)
-    got, runs = generate(model, monkeypatch, sequenced=True, **options)
+    expected, no_runs = generate(model, monkeypatch, sequenced=False, **MODES[mode])
+    got, runs = generate(model, monkeypatch, sequenced=True, **MODES[mode])
     assert got == expected  # tokens and logprobs, bit for bit
     assert no_runs == [] and len(runs) >= 5 and all(runs)  # every decode step after the prompts' steps
 
 
-@pytest.mark.parametrize("options", [dict(quantization="int8"), dict(kv_cache_dtype="int8"),
-                                     dict(quantization="int8-weight", kv_cache_dtype="int8")])
-def test_other_modes_run_the_layer_loop(monkeypatch, options):
-    _, runs = generate(bf16_model("llama"), monkeypatch, sequenced=True, **options)
+def test_weight_only_int8_runs_the_layer_loop(monkeypatch):
+    _, runs = generate(bf16_model("llama"), monkeypatch, sequenced=True, quantization="int8-weight")
     assert runs == []
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or no AVX512-B
 
 @pytest.fixture(autouse=True, params=BUILDS)
 def build(request, monkeypatch):
-    monkeypatch.setattr(bf16_gemm, "_library", lambda: request.param)
+    monkeypatch.setattr(bf16_gemm, "library", lambda: request.param)
     return request.param
 
 

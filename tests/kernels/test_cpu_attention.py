@@ -30,7 +30,7 @@ BUILD_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx51
 
 def use_build(name: str, monkeypatch) -> None:
     kernel = cpu_attention.load_build(BUILD_FLAGS[name])
-    monkeypatch.setattr(cpu_attention, "_load_kernel", lambda: kernel)
+    monkeypatch.setattr(cpu_attention, "load_kernel", lambda: kernel)
 
 
 @pytest.fixture(params=list(BUILD_FLAGS))
@@ -130,25 +130,25 @@ def test_rejects_mismatched_inputs_and_leaves_a_strided_pool_to_the_caller():
 
 def test_missing_compiler_makes_kernel_unavailable(monkeypatch):
     monkeypatch.setenv("BATCHGEN_CC", "batchgen-no-such-compiler")
-    cpu_attention._load_kernel.cache_clear()
+    cpu_attention.load_kernel.cache_clear()
     try:
         assert cpu_attention.is_available() is False
         q, k_cache, v_cache, block_tables, context_lens = make_inputs([5], 2, 1, 32, torch.float32, seed=6, pad=-1)
         assert not cpu_attention.paged_decode_attention(q, k_cache, v_cache, PagedSeqs(block_tables, context_lens),
                                                         0.1, torch.empty_like(q))
     finally:
-        cpu_attention._load_kernel.cache_clear()
+        cpu_attention.load_kernel.cache_clear()
 
 
 def test_builds_into_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    cpu_attention._load_kernel.cache_clear()
+    cpu_attention.load_kernel.cache_clear()
     try:
         assert cpu_attention.is_available()
         built = list((tmp_path / "kernels").iterdir())
         assert len(built) == 1 and built[0].suffix == ".so"
     finally:
-        cpu_attention._load_kernel.cache_clear()
+        cpu_attention.load_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
