@@ -11,6 +11,11 @@ once under the profiler. Its time is split into:
   calls, inclusive;
 - other: the rest of the profiled wall (norms, RoPE, MLP activation, embedding, sampling,
   scheduling, Python).
+
+A profiled batchgen step runs its layers one kernel call at a time, as the fused step's layer
+loop does, so each shows as its own span (`decode_layers` runs a decode step's layers in one C
+call otherwise: the unprofiled wall is the faster).
+
 The linear rate is ≈ 2 × linear weights × tokens through them (computed prompt tokens plus
 fed-back output tokens) plus the lm_head per output token, over the linear time: compare it with
 the matmul rate of `scripts/roofline.py`. Prints one table and each system's top operators by

@@ -1,5 +1,6 @@
 """A decode step's decoder layers in one C call (``csrc/decode_layers.c``), for Llama-shaped layers
-with W8A8 products on `int8_gemm` over an int8 K/V pool.
+of a bf16 model on a CPU: bf16 products on `bf16_gemm` or W8A8 ones on `int8_gemm`, over a bf16
+or an int8 K/V pool.
 
 `fused_decoder.FusedDecoder.forward` calls some nine kernels a layer from Python; at a decode
 step's few rows the Python, ctypes and allocation work around them costs several times its own
@@ -11,11 +12,14 @@ Invariants:
 - `DecodeLayers.of` returns None unless every layer is one that ``decode_layers.c`` runs: the
   Llama layer (attention norm, q|k|v, rotary embeddings with optional q/k RMSNorms, full
   attention, o, MLP norm, gated [gate; up] then down products, no post-norms, no scaled
-  residuals, RMSNorms with bf16 weights), every product W8A8 on `int8_gemm`, and the kernels'
-  libraries built here.
-- `run` takes a step only where every row is a decode row and the pool is int8; it reads and
-  writes the buffers `FusedDecoder.forward` would (`rows.normed` holds the first layer's
-  attention norm on entry and the final norm on return).
+  residuals, RMSNorms with bf16 weights, a gated MLP whose activation the int8 product or
+  `decoder_ops`' pass applies), every product on `bf16_gemm` or W8A8 on `int8_gemm`, and the
+  kernels' libraries built here.
+- `takes` a step only where every row is a decode row and no torch profiler records, the backend's decode kernel is one whose C
+  entry point the loop calls (`kv_int8`'s over an int8 pool; the AMX or C kernel over a bf16
+  one) and the bf16 products' rows run on `bf16_gemm`; `run` reads and writes the buffers
+  `FusedDecoder.forward` would (`rows.normed` holds the first layer's attention norm on entry
+  and the final norm on return).
 - Its only state is each layer's constants, read once: pointers into the decoder's packed weights
   and norms, so it lives as long as the decoder that holds them (as its attribute).
 """
@@ -33,6 +37,7 @@ from batchgen.kernels.attention_kernel import check_inputs
 from batchgen.kernels.c_library import load_library
 from batchgen.kernels.cpu_linear import PackedWeight
 from batchgen.kernels.kernel_status import check_status
+from batchgen.kernels.profiler_spans import profiler_enabled
 
 _POINTER, _INT, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # the decode kernels the loop calls in C in their place, as imported (a function put in their place later runs as it is)
@@ -207,12 +212,13 @@ class DecodeLayers:
     def takes(self, step, rows) -> bool:
         """Whether `run` takes `step` (an `attention.AttentionStep`) of `rows` (a
         `fused_decoder.StepRows`): every row a decode row, over an int8 pool whose decode rows run
-        on `kv_int8`'s kernel or a bf16 pool on a C kernel, each bf16 product on `bf16_gemm`."""
+        on `kv_int8`'s kernel or a bf16 pool on a C kernel, each bf16 product on `bf16_gemm`; not
+        while a torch profiler records, so that each kernel shows as its own span there."""
         metadata, pool = step.metadata, step.k_caches[0]
         decode = getattr(step.backend, "decode", None)
         pool_runs = (decode is INT8_POOL_DECODE if kv_int8.is_int8(pool)
                      else pool.dtype == torch.bfloat16 and decode in _float_decodes())
-        return (pool_runs and metadata.num_decode_seqs == rows.num_tokens and len(rows.residual) <= self.max_rows
+        return (pool_runs and not profiler_enabled() and metadata.num_decode_seqs == rows.num_tokens and len(rows.residual) <= self.max_rows
                 and metadata.slot_mapping.dtype == torch.int64 and metadata.decode_seqs.on_cpu_contiguous
                 and all(cache.is_contiguous() for cache in (*step.k_caches, *step.v_caches)))
 

@@ -68,8 +68,8 @@ C_KERNELS = (
             "int8 K/V pool: decode attention (shared prefixes read once), row store, block dequantize "
             "(kv_cache_dtype: int8)",
             kv_int8.is_available, "AVX-512, AVX512-VNNI and AVX512-BF16"),
-    CKernel("decode_layers.c", "a decode step's layers in one call (quantization: int8 over kv_cache_dtype: int8, "
-            "Llama-shaped layers)", decode_layers.is_available, "the int8 GEMM, int8 K/V and decoder-op kernels"),
+    CKernel("decode_layers.c", "a decode step's layers in one call (Llama-shaped layers of a bfloat16 model)",
+            decode_layers.is_available, "the decoder ops, and the GEMM and attention kernels of its products and pool"),
 )
 
 

@@ -15,8 +15,13 @@ INT8_LINEAR_SPAN = "batchgen::int8_linear"  # one product of int8_gemm's kernel,
 NO_SPAN = contextlib.nullcontext()  # stateless: one serves every call
 
 
+def profiler_enabled() -> bool:
+    """Whether a torch profiler records."""
+    return torch._C._autograd._profiler_enabled()
+
+
 def profiler_span(label: str):
     """A `label` span while a torch profiler records; otherwise nothing (a span costs about 9 µs)."""
-    if torch._C._autograd._profiler_enabled():
+    if profiler_enabled():
         return torch.profiler.record_function(label)
     return NO_SPAN

@@ -78,3 +78,11 @@ def test_a_pool_its_kernels_refuse_runs_the_layer_loop_from_the_start(monkeypatc
     got, runs = generate(model, monkeypatch, sequenced=True, **options)
     assert got == expected
     assert runs == [False]  # blocks of 128 tokens: the int8 decode kernel takes up to 64; not tried again
+
+
+def test_a_profiled_step_runs_the_layer_loop_so_each_kernel_shows(monkeypatch):
+    model = bf16_model("llama")
+    with torch.profiler.profile() as profile:
+        _, runs = generate(model, monkeypatch, sequenced=True)
+    assert runs == []
+    assert "batchgen::attention" in {event.key for event in profile.key_averages()}
