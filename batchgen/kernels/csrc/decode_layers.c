@@ -126,23 +126,24 @@ static void add_norm(const Kernels *kernels, const Step *step, const uint16_t *x
                           DTYPE_BF16, step->num_threads);
 }
 
+/* Rotate the step's q|k|v and store its K/V, then attend: a bf16 pool's K/V rows go to their
+ * slots at once; an int8 pool's through a scratch pool of one slot per row, then quantized into
+ * their slots from `keys` and qkv's values. */
 static int attention(const Kernels *kernels, const Step *step, const Layer *layer, const LayerStep *pool) {
     const int num_heads = step->num_heads, num_kv_heads = step->num_kv_heads, head_dim = step->head_dim;
-    const int64_t qkv_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
-    if (step->float_decode != 0) {
-        kernels->rope_write_kv(step->heads, step->keys, pool->k_cache, pool->v_cache, step->qkv, pool->cos, pool->sin,
-                               step->slots, step->num_tokens, num_heads, num_kv_heads, head_dim, (int)pool->rotary_dim,
-                               layer->q_norm, layer->k_norm, layer->qk_norm_width, layer->qk_norm_kind,
-                               layer->qk_norm_eps, DTYPE_BF16, step->num_threads);
+    const int is_float_pool = step->float_decode != 0;
+    kernels->rope_write_kv(step->heads, step->keys, is_float_pool ? pool->k_cache : step->scratch_k,
+                           is_float_pool ? pool->v_cache : step->scratch_v, step->qkv, pool->cos, pool->sin,
+                           is_float_pool ? step->slots : step->scratch_slots, step->num_tokens, num_heads,
+                           num_kv_heads, head_dim, (int)pool->rotary_dim, layer->q_norm, layer->k_norm,
+                           layer->qk_norm_width, layer->qk_norm_kind, layer->qk_norm_eps, DTYPE_BF16,
+                           step->num_threads);
+    if (is_float_pool)
         return step->float_decode(step->attended, step->heads, pool->k_cache, pool->v_cache, step->block_tables,
                                   step->context_lens, 0, 0, step->groups, step->num_tokens, step->num_groups,
                                   num_heads, num_kv_heads, head_dim, step->num_blocks, step->block_size,
                                   step->max_blocks, layer->scale, 0, 0.0f, 0, DTYPE_BF16, step->num_threads);
-    }
-    kernels->rope_write_kv(step->heads, step->keys, step->scratch_k, step->scratch_v, step->qkv, pool->cos, pool->sin,
-                           step->scratch_slots, step->num_tokens, num_heads, num_kv_heads, head_dim,
-                           (int)pool->rotary_dim, layer->q_norm, layer->k_norm, layer->qk_norm_width,
-                           layer->qk_norm_kind, layer->qk_norm_eps, DTYPE_BF16, step->num_threads);
+    const int64_t qkv_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
     int status = kernels->kv_store(step->keys, (int64_t)num_kv_heads * head_dim,
                                    step->qkv + (int64_t)(num_heads + num_kv_heads) * head_dim, qkv_width,
                                    pool->k_cache, pool->v_cache, step->slots, step->num_tokens, num_kv_heads, head_dim,
@@ -154,6 +155,19 @@ static int attention(const Kernels *kernels, const Step *step, const Layer *laye
                                      layer->scale, step->num_threads);
 }
 
+/* out = the MLP of the normed rows: the gated product's act(gate) * up (its own, or the layer's
+ * activation pass over gate|up rows), then the down product. */
+static void mlp(const Kernels *kernels, const Step *step, const Layer *layer) {
+    if (layer->activation != 0) {
+        product(kernels, step, &layer->mlp_in, step->normed, step->gate_up);
+        layer->activation(step->hidden, step->gate_up, (int)step->rows, (int)layer->mlp_out.in_features, DTYPE_BF16,
+                          step->num_threads);
+    } else {
+        product(kernels, step, &layer->mlp_in, step->normed, step->hidden);
+    }
+    product(kernels, step, &layer->mlp_out, step->hidden, step->out);
+}
+
 int bg_decode_layers(const Kernels *kernels, const Step *step, const Layer *layers, int num_layers) {
     for (int index = 0; index < num_layers; index++) {
         const Layer *layer = &layers[index];
@@ -162,14 +176,7 @@ int bg_decode_layers(const Kernels *kernels, const Step *step, const Layer *laye
         if (status != STATUS_OK) return status;
         product(kernels, step, &layer->o, step->attended, step->out);
         add_norm(kernels, step, step->out, layer->mlp_norm);
-        if (layer->activation != 0) {
-            product(kernels, step, &layer->mlp_in, step->normed, step->gate_up);
-            layer->activation(step->hidden, step->gate_up, (int)step->rows, (int)layer->mlp_out.in_features,
-                              DTYPE_BF16, step->num_threads);
-        } else {
-            product(kernels, step, &layer->mlp_in, step->normed, step->hidden);
-        }
-        product(kernels, step, &layer->mlp_out, step->hidden, step->out);
+        mlp(kernels, step, layer);
         add_norm(kernels, step, step->out, layer->next_norm);
     }
     return STATUS_OK;
