@@ -15,11 +15,11 @@ Invariants:
   residuals, RMSNorms with bf16 weights, a gated MLP whose activation the int8 product or
   `decoder_ops`' pass applies), every product on `bf16_gemm` or W8A8 on `int8_gemm`, and the
   kernels' libraries built here.
-- `takes` a step only where every row is a decode row and no torch profiler records, the backend's decode kernel is one whose C
-  entry point the loop calls (`kv_int8`'s over an int8 pool; the AMX or C kernel over a bf16
-  one) and the bf16 products' rows run on `bf16_gemm`; `run` reads and writes the buffers
-  `FusedDecoder.forward` would (`rows.normed` holds the first layer's attention norm on entry
-  and the final norm on return).
+- `takes` a step only where every row is a decode row, no torch profiler records, the backend's
+  decode kernel is one whose C entry point the loop calls (`kv_int8`'s over an int8 pool; the
+  AMX or C kernel over a bf16 one) and the bf16 products' rows run on `bf16_gemm`; `run` reads
+  and writes the buffers `FusedDecoder.forward` would (`rows.normed` holds the first layer's
+  attention norm on entry and the final norm on return).
 - Its only state is each layer's constants, read once: pointers into the decoder's packed weights
   and norms, so it lives as long as the decoder that holds them (as its attribute).
 """
@@ -47,16 +47,18 @@ AMX_DECODE, CPU_DECODE = amx_attention.paged_decode_attention, cpu_attention.pag
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("add_rms_norm", _POINTER), ("int8_linear", _POINTER), ("bf16_linear", _POINTER),
-                ("rope_write_kv", _POINTER), ("kv_store", _POINTER), ("decode_attention", _POINTER)]
+                ("rope_write_kv", _POINTER)]
 
 
 PRODUCT_BF16, PRODUCT_INT8 = 0, 1  # decode_layers.c's PRODUCT_*
+PRODUCT_KERNELS = {PRODUCT_BF16: (bf16_gemm.library, "bg_bf16_linear"),  # kind -> (its library, its entry point)
+                   PRODUCT_INT8: (int8_gemm.library, "bg_int8_linear")}
 
 
 class _Product(ctypes.Structure):
-    _fields_ = [("kind", _INT), ("smoothing", _POINTER), ("panels", _POINTER), ("scales", _POINTER), ("compensation", _POINTER),
-                ("bias", _POINTER), ("in_features", _INT64), ("padded_inputs", _INT64), ("out_features", _INT64),
-                ("gated", _INT)]
+    _fields_ = [("kind", _INT), ("smoothing", _POINTER), ("panels", _POINTER), ("scales", _POINTER),
+                ("compensation", _POINTER), ("bias", _POINTER), ("in_features", _INT64), ("padded_inputs", _INT64),
+                ("out_features", _INT64), ("gated", _INT)]
 
 
 class _Norm(ctypes.Structure):
@@ -66,14 +68,15 @@ class _Norm(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Product), ("o", _Product), ("mlp_in", _Product), ("mlp_out", _Product),
                 ("mlp_norm", _Norm), ("next_norm", _Norm), ("activation", _POINTER), ("q_norm", _POINTER),
-                ("k_norm", _POINTER),
-                ("qk_norm_width", _INT), ("qk_norm_kind", _INT), ("qk_norm_eps", _FLOAT), ("scale", _FLOAT)]
+                ("k_norm", _POINTER), ("qk_norm_width", _INT), ("qk_norm_kind", _INT), ("qk_norm_eps", _FLOAT),
+                ("scale", _FLOAT)]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [(name, _POINTER) for name in ("float_decode", "residual", "normed", "qkv", "heads", "keys",
-                                              "attended", "gate_up", "hidden", "out", "scratch_k", "scratch_v", "quantized", "scratch_slots", "slots",
-                                              "block_tables", "context_lens", "groups", "layers")] + [
+    _fields_ = [(name, _POINTER) for name in ("float_decode", "kv_store", "int8_decode", "residual", "normed", "qkv",
+                                              "heads", "keys", "attended", "gate_up", "hidden", "out", "scratch_k",
+                                              "scratch_v", "quantized", "scratch_slots", "slots", "block_tables",
+                                              "context_lens", "groups", "layers")] + [
         ("rows", _INT64), ("num_slots", _INT64)] + [
         (name, _INT) for name in ("num_tokens", "num_groups", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
                                   "num_blocks", "block_size", "max_blocks", "num_threads")]
@@ -88,21 +91,25 @@ def library() -> ctypes.CDLL | None:
     return library
 
 
-@functools.cache
-def _kernels() -> _Kernels | None:
-    """The kernels' entry points (0 for a product kernel whose library is not built here), where the
-    loop and the decoder ops are built here."""
-    if library() is None or decoder_ops.library() is None:
+def _kernels(kinds: set[int]) -> _Kernels | None:
+    """The entry points of the decoder ops and of the product kernels of `kinds` (PRODUCT_*; 0 for
+    another kind), where each is built here."""
+    ops = decoder_ops.library()
+    entries = {kind: _address(load(), name) for kind, (load, name) in PRODUCT_KERNELS.items() if kind in kinds}
+    if ops is None or None in entries.values():
         return None
-    ops, products, bf16_products, kv = (decoder_ops.library(), int8_gemm.library(), bf16_gemm.library(),
-                                         kv_int8.library())
-    return _Kernels(_address(ops, "bg_add_rms_norm"), _address(products, "bg_int8_linear"),
-                    _address(bf16_products, "bg_bf16_linear"), _address(ops, "bg_rope_write_kv"),
-                    _address(kv, "bg_kv_int8_store"), _address(kv, "bg_kv_int8_decode_attention"))
+    return _Kernels(_address(ops, "bg_add_rms_norm"), entries.get(PRODUCT_INT8), entries.get(PRODUCT_BF16),
+                    _address(ops, "bg_rope_write_kv"))
 
 
 def _address(built: ctypes.CDLL | None, name: str) -> int | None:
     return None if built is None else ctypes.cast(getattr(built, name), _POINTER).value
+
+
+@functools.cache
+def _int8_pool_kernels() -> tuple[int, int]:
+    """`kv_int8`'s store and decode entry points (an int8 pool's step runs on them: `takes`)."""
+    return _address(kv_int8.library(), "bg_kv_int8_store"), _address(kv_int8.library(), "bg_kv_int8_decode_attention")
 
 
 @functools.cache
@@ -118,7 +125,7 @@ def _float_decodes() -> dict:
 
 def is_available() -> bool:
     """Whether this machine's builds hold the loop and the decoder ops it calls."""
-    return _kernels() is not None
+    return library() is not None and decoder_ops.library() is not None
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -161,7 +168,8 @@ def _layer(layer, next_norm, hidden_size: int, num_heads: int, head_dim: int, ac
     if None in products or None in norms:
         return None
     qk_norm = layer.qk_norm or decoder_ops.NO_QK_NORM  # as `decoder_ops.rope_write_kv` passes it
-    return _Layer(*products, *norms, None if layer.mlp_in.gated else activation, _pointer(qk_norm.q_weight), _pointer(qk_norm.k_weight), head_dim if qk_norm.per_head else 0,
+    return _Layer(*products, *norms, None if layer.mlp_in.gated else activation, _pointer(qk_norm.q_weight),
+                  _pointer(qk_norm.k_weight), head_dim if qk_norm.per_head else 0,
                   decoder_ops.QK_NORM_KINDS[qk_norm.kind], qk_norm.eps, layer.scale)
 
 
@@ -185,8 +193,8 @@ class DecodeLayers:
         """`decoder`'s (a `fused_decoder.FusedDecoder` of a bf16 model) layers, where
         ``decode_layers.c`` runs every one; `activation`: its gated MLP's (``silu`` or
         ``gelu_tanh``, `decoder_ops`' passes), or None."""
-        spec, kernels = decoder.spec, _kernels()
-        if (kernels is None or spec.parallel or spec.residual_scale is not None or _norm(decoder.final_norm) is None
+        spec = decoder.spec
+        if (not is_available() or spec.parallel or spec.residual_scale is not None or _norm(decoder.final_norm) is None
                 or decoder.final_norm.weight.dtype != torch.bfloat16):
             return None
         hidden_size = decoder.final_norm.weight.numel()
@@ -197,8 +205,8 @@ class DecodeLayers:
         if None in layers:
             return None
         products = [product for layer in layers for product in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)]
-        kinds = {product.kind for product in products}
-        if PRODUCT_INT8 in kinds and not kernels.int8_linear or PRODUCT_BF16 in kinds and not kernels.bf16_linear:
+        kernels = _kernels({product.kind for product in products})
+        if kernels is None:
             return None
         packed = [weight for layer in decoder.layers for weight in (layer.qkv, layer.o, layer.mlp_in, layer.mlp_out)
                   if weight.int8 is None]
@@ -218,8 +226,9 @@ class DecodeLayers:
         decode = getattr(step.backend, "decode", None)
         pool_runs = (decode is INT8_POOL_DECODE if kv_int8.is_int8(pool)
                      else pool.dtype == torch.bfloat16 and decode in _float_decodes())
-        return (pool_runs and not profiler_enabled() and metadata.num_decode_seqs == rows.num_tokens and len(rows.residual) <= self.max_rows
-                and metadata.slot_mapping.dtype == torch.int64 and metadata.decode_seqs.on_cpu_contiguous
+        return (pool_runs and not profiler_enabled() and metadata.num_decode_seqs == rows.num_tokens
+                and len(rows.residual) <= self.max_rows and metadata.slot_mapping.dtype == torch.int64
+                and metadata.decode_seqs.on_cpu_contiguous
                 and all(cache.is_contiguous() for cache in (*step.k_caches, *step.v_caches)))
 
     def run(self, rows, keys: torch.Tensor, kv_target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -242,9 +251,11 @@ class DecodeLayers:
         quantized = int8_gemm.scratch_address(padded_rows * (self.largest_padded_inputs + 4))
         num_blocks, block_size, num_kv_heads, _ = step.k_caches[0].shape
         float_decode = None if kv_target is not None else _float_decodes()[step.backend.decode]
+        kv_store, int8_decode = (None, None) if kv_target is None else _int8_pool_kernels()
         qkv, gate_up, hidden, out = (buffer.data_ptr() for buffer in buffers)
-        c_step = _Step(float_decode, rows.residual.data_ptr(), rows.normed.data_ptr(), qkv, rows.heads.data_ptr(),
-                       keys.data_ptr(), rows.attended.data_ptr(), gate_up, hidden, out, _pointer(scratch_k),
+        c_step = _Step(float_decode, kv_store, int8_decode, rows.residual.data_ptr(), rows.normed.data_ptr(), qkv,
+                       rows.heads.data_ptr(), keys.data_ptr(), rows.attended.data_ptr(), gate_up, hidden, out,
+                       _pointer(scratch_k),
                        _pointer(scratch_v), quantized, _pointer(scratch_slots), metadata.slot_mapping.data_ptr(),
                        seqs.block_tables.data_ptr(), seqs.context_lens.data_ptr(), _pointer(seqs.groups),
                        layer_steps.data_ptr(), padded_rows, num_blocks * block_size, num_tokens, seqs.num_groups,

@@ -10,7 +10,7 @@
  *                      status other than STATUS_OK that a kernel returns (nothing after it runs),
  *                      else STATUS_OK
  *
- * The kernels come as function pointers (`Kernels`, the step's float-pool decode kernel in
+ * The kernels come as function pointers (`Kernels`; the pool's store and decode kernels in
  * `Step`), taken from their own libraries (decoder_ops.c, int8_gemm.c, bf16_gemm.c,
  * kv_int8_attention.c, amx_attention.c or paged_attention.c), each built with its own flags.
  *
@@ -51,11 +51,9 @@ typedef int (*DecodeAttention)(uint16_t *out, const uint16_t *q, const int8_t *k
 
 typedef struct {
     AddRmsNorm add_rms_norm;
-    Int8Linear int8_linear; /* each 0 where its library is not built here */
+    Int8Linear int8_linear; /* each 0 where the layers have no product of its kind */
     Bf16Linear bf16_linear;
     RopeWriteKv rope_write_kv;
-    KvStore kv_store;
-    DecodeAttention decode_attention;
 } Kernels;
 
 enum { PRODUCT_BF16 = 0, PRODUCT_INT8 = 1 };
@@ -96,6 +94,8 @@ typedef struct {
 
 typedef struct {
     AttentionKernel *float_decode; /* a bf16 pool's decode kernel; 0: an int8 pool */
+    KvStore kv_store;              /* an int8 pool's store and decode kernels; 0: a bf16 pool */
+    DecodeAttention int8_decode;
     uint16_t *residual, *normed, *qkv, *heads, *keys, *attended, *gate_up, *hidden, *out; /* bf16 rows */
     void *scratch_k, *scratch_v;                                              /* one slot per row */
     int8_t *quantized;                                                        /* int8_gemm's rows */
@@ -144,12 +144,12 @@ static int attention(const Kernels *kernels, const Step *step, const Layer *laye
                                   num_heads, num_kv_heads, head_dim, step->num_blocks, step->block_size,
                                   step->max_blocks, layer->scale, 0, 0.0f, 0, DTYPE_BF16, step->num_threads);
     const int64_t qkv_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
-    int status = kernels->kv_store(step->keys, (int64_t)num_kv_heads * head_dim,
+    int status = step->kv_store(step->keys, (int64_t)num_kv_heads * head_dim,
                                    step->qkv + (int64_t)(num_heads + num_kv_heads) * head_dim, qkv_width,
                                    pool->k_cache, pool->v_cache, step->slots, step->num_tokens, num_kv_heads, head_dim,
                                    step->num_slots, step->num_threads);
     if (status != STATUS_OK) return status;
-    return kernels->decode_attention(step->attended, step->heads, pool->k_cache, pool->v_cache, step->block_tables,
+    return step->int8_decode(step->attended, step->heads, pool->k_cache, pool->v_cache, step->block_tables,
                                      step->context_lens, step->groups, step->num_groups, step->num_tokens, num_heads,
                                      num_kv_heads, head_dim, step->num_blocks, step->block_size, step->max_blocks,
                                      layer->scale, step->num_threads);
