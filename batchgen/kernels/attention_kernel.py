@@ -31,6 +31,7 @@ from functools import cached_property
 
 import torch
 
+from batchgen.kernels.c_library import pointer
 from batchgen.kernels.kernel_status import check_status
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -168,10 +169,6 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 def c_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: PagedSeqs, scale: float,
                 out: torch.Tensor, variant: AttentionVariant = FULL) -> tuple:
     """A call's arguments in ``csrc/attention_kernel.h``'s order (`C_ARGTYPES`), on
@@ -179,10 +176,10 @@ def c_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     dtype = INT8_POOL_CODES[q.dtype] if k_cache.dtype == torch.int8 else DTYPE_CODES[q.dtype]
     return (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
-            seqs.context_lens.data_ptr(), _pointer(seqs.query_starts), _pointer(seqs.query_lens),
-            _pointer(seqs.groups), len(seqs.context_lens), seqs.num_groups, q.shape[1], num_kv_heads,
+            seqs.context_lens.data_ptr(), pointer(seqs.query_starts), pointer(seqs.query_lens),
+            pointer(seqs.groups), len(seqs.context_lens), seqs.num_groups, q.shape[1], num_kv_heads,
             head_dim_of(k_cache), num_blocks, block_size, seqs.block_tables.shape[1], scale, variant.window,
-            variant.softcap, _pointer(variant.sinks), dtype, torch.get_num_threads())
+            variant.softcap, pointer(variant.sinks), dtype, torch.get_num_threads())
 
 
 def run_c_kernel(entry: Callable[..., int] | None, name: str, q: torch.Tensor, k_cache: torch.Tensor,

@@ -93,8 +93,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     out = x.new_empty((x.shape[0], out_features))
     with profiler_span(BF16_LINEAR_SPAN):
         library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
-                                  None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
-                                  torch.get_num_threads())
+                                 None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
+                                 torch.get_num_threads())
     return out
 
 
@@ -108,8 +108,8 @@ def linear_int8_weight(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     widened = torch.empty((threads, packed[0].numel()), dtype=torch.bfloat16)  # a panel per thread
     with profiler_span(BF16_LINEAR_SPAN):
         library().bg_bf16_linear_int8_weight(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
-                                              scales.data_ptr(), len(scales), widened.data_ptr(), out.data_ptr(),
-                                              threads)
+                                             scales.data_ptr(), len(scales), widened.data_ptr(), out.data_ptr(),
+                                             threads)
     return out
 
 
@@ -123,6 +123,6 @@ def linear_groups(x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, 
     out = x.new_empty((x.shape[0], out_features))
     with profiler_span(BF16_LINEAR_SPAN):
         library().bg_bf16_linear_groups(x.data_ptr(), counts.data_ptr(), len(counts), x.shape[1], weights.data_ptr(),
-                                         None if biases is None else biases.data_ptr(), out_features, out.data_ptr(),
-                                         torch.get_num_threads())
+                                        None if biases is None else biases.data_ptr(), out_features, out.data_ptr(),
+                                        torch.get_num_threads())
     return out

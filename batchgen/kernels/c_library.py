@@ -148,3 +148,8 @@ def load_library(source_name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.
     library, result = _build_and_load(source_name, extra_flags)
     _latest_loads[source_name] = result
     return library
+
+
+def pointer(tensor) -> int | None:
+    """A tensor's data address as a C pointer argument; None (NULL) for no tensor."""
+    return None if tensor is None else tensor.data_ptr()

@@ -34,7 +34,7 @@ import torch
 
 from batchgen.kernels import amx_attention, bf16_gemm, cpu_attention, decoder_ops, int8_gemm, kv_int8
 from batchgen.kernels.attention_kernel import check_inputs
-from batchgen.kernels.c_library import load_library
+from batchgen.kernels.c_library import load_library, pointer
 from batchgen.kernels.cpu_linear import PackedWeight
 from batchgen.kernels.kernel_status import check_status
 from batchgen.kernels.profiler_spans import profiler_enabled
@@ -102,34 +102,33 @@ def _kernels(kinds: set[int]) -> _Kernels | None:
                     _address(ops, "bg_rope_write_kv"))
 
 
+def _entry(function) -> int:
+    """A ctypes function's address."""
+    return ctypes.cast(function, _POINTER).value
+
+
 def _address(built: ctypes.CDLL | None, name: str) -> int | None:
-    return None if built is None else ctypes.cast(getattr(built, name), _POINTER).value
+    return None if built is None else _entry(getattr(built, name))
 
 
 @functools.cache
 def _int8_pool_kernels() -> tuple[int, int]:
     """`kv_int8`'s store and decode entry points (an int8 pool's step runs on them: `takes`)."""
-    return _address(kv_int8.library(), "bg_kv_int8_store"), _address(kv_int8.library(), "bg_kv_int8_decode_attention")
+    built = kv_int8.library()
+    return _address(built, "bg_kv_int8_store"), _address(built, "bg_kv_int8_decode_attention")
 
 
 @functools.cache
 def _float_decodes() -> dict:
     """A bf16 pool's decode kernels (`attention.NativeBackend.decode`) -> their C entry points."""
-    entries = {}
-    if amx_attention.load_kernel() is not None:
-        entries[AMX_DECODE] = _address(amx_attention.load_kernel(), "bg_amx_decode_attention")
-    if cpu_attention.load_kernel() is not None:
-        entries[CPU_DECODE] = ctypes.cast(cpu_attention.load_kernel().decode, _POINTER).value
-    return entries
+    amx, cpu = amx_attention.load_kernel(), cpu_attention.load_kernel()
+    entries = {AMX_DECODE: _address(amx, "bg_amx_decode_attention"), CPU_DECODE: cpu and _entry(cpu.decode)}
+    return {decode: entry for decode, entry in entries.items() if entry is not None}
 
 
 def is_available() -> bool:
     """Whether this machine's builds hold the loop and the decoder ops it calls."""
     return library() is not None and decoder_ops.library() is not None
-
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 def _product(packed: PackedWeight | None, in_features: int) -> _Product | None:
@@ -140,12 +139,12 @@ def _product(packed: PackedWeight | None, in_features: int) -> _Product | None:
     weight = packed.int8
     if weight is None:
         return None if packed.panels is None else _Product(PRODUCT_BF16, None, packed.panels.data_ptr(), None, None,
-                                                           _pointer(packed.bias), in_features, in_features,
+                                                           pointer(packed.bias), in_features, in_features,
                                                            packed.out_features, 0)
     if weight.panels is None or not weight.activations_quantized or weight.split_inputs:
         return None
-    return _Product(PRODUCT_INT8, _pointer(weight.smoothing), weight.panels.data_ptr(), weight.scales.data_ptr(),
-                    weight.compensation.data_ptr(), _pointer(packed.bias), in_features,
+    return _Product(PRODUCT_INT8, pointer(weight.smoothing), weight.panels.data_ptr(), weight.scales.data_ptr(),
+                    weight.compensation.data_ptr(), pointer(packed.bias), in_features,
                     int8_gemm.padded_inputs(in_features), packed.out_features,
                     int8_gemm.GATED_ACTIVATIONS.get(weight.gated, 0))
 
@@ -168,8 +167,8 @@ def _layer(layer, next_norm, hidden_size: int, num_heads: int, head_dim: int, ac
     if None in products or None in norms:
         return None
     qk_norm = layer.qk_norm or decoder_ops.NO_QK_NORM  # as `decoder_ops.rope_write_kv` passes it
-    return _Layer(*products, *norms, None if layer.mlp_in.gated else activation, _pointer(qk_norm.q_weight),
-                  _pointer(qk_norm.k_weight), head_dim if qk_norm.per_head else 0,
+    return _Layer(*products, *norms, None if layer.mlp_in.gated else activation, pointer(qk_norm.q_weight),
+                  pointer(qk_norm.k_weight), head_dim if qk_norm.per_head else 0,
                   decoder_ops.QK_NORM_KINDS[qk_norm.kind], qk_norm.eps, layer.scale)
 
 
@@ -248,16 +247,17 @@ class DecodeLayers:
         buffers = [rows.residual.new_empty((padded_rows, width)) for width in (self.qkv_width, self.gate_up_width,
                                                                                self.mlp_width, self.hidden_size)]
         scratch_k, scratch_v, scratch_slots = (None, None, None) if kv_target is None else kv_target
-        quantized = int8_gemm.scratch_address(padded_rows * (self.largest_padded_inputs + 4))
+        quantized = (int8_gemm.scratch_address(padded_rows * (self.largest_padded_inputs + 4))
+                     if self.largest_padded_inputs else None)  # only int8 products use it
         num_blocks, block_size, num_kv_heads, _ = step.k_caches[0].shape
         float_decode = None if kv_target is not None else _float_decodes()[step.backend.decode]
         kv_store, int8_decode = (None, None) if kv_target is None else _int8_pool_kernels()
         qkv, gate_up, hidden, out = (buffer.data_ptr() for buffer in buffers)
         c_step = _Step(float_decode, kv_store, int8_decode, rows.residual.data_ptr(), rows.normed.data_ptr(), qkv,
                        rows.heads.data_ptr(), keys.data_ptr(), rows.attended.data_ptr(), gate_up, hidden, out,
-                       _pointer(scratch_k),
-                       _pointer(scratch_v), quantized, _pointer(scratch_slots), metadata.slot_mapping.data_ptr(),
-                       seqs.block_tables.data_ptr(), seqs.context_lens.data_ptr(), _pointer(seqs.groups),
+                       pointer(scratch_k), pointer(scratch_v), quantized, pointer(scratch_slots),
+                       metadata.slot_mapping.data_ptr(),
+                       seqs.block_tables.data_ptr(), seqs.context_lens.data_ptr(), pointer(seqs.groups),
                        layer_steps.data_ptr(), padded_rows, num_blocks * block_size, num_tokens, seqs.num_groups,
                        self.num_heads, num_kv_heads, self.head_dim, self.hidden_size, num_blocks, block_size,
                        seqs.block_tables.shape[1], torch.get_num_threads())

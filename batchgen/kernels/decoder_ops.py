@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.c_library import load_library
+from batchgen.kernels.c_library import load_library, pointer
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 DTYPES = tuple(DTYPE_CODES)  # the dtypes these ops take (as `cuda_decoder_ops.DTYPES`)
@@ -57,18 +57,14 @@ def is_available() -> bool:
     return library() is not None
 
 
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 def add_rms_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> None:
     """``residual += x`` (when ``x`` is given), then ``out = weight * rmsnorm(residual)``; rows of
     width ``weight.numel()``."""
     hidden = weight.numel()
-    library().bg_add_rms_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(),
-                               residual.numel() // hidden, hidden, eps, DTYPE_CODES[residual.dtype],
-                               torch.get_num_threads())
+    library().bg_add_rms_norm(out.data_ptr(), residual.data_ptr(), pointer(x), weight.data_ptr(),
+                              residual.numel() // hidden, hidden, eps, DTYPE_CODES[residual.dtype],
+                              torch.get_num_threads())
 
 
 def add_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
@@ -77,9 +73,9 @@ def add_norm(out: torch.Tensor, residual: torch.Tensor, x: torch.Tensor | None, 
     float32 ``weight`` (and ``bias``) applied before its one rounding: ``"rms_scaled"`` (Gemma's
     RMSNorm with (1 + w) given, OLMo 2's) or ``"layer"`` (LayerNorm); ``out`` may be ``residual``."""
     hidden = weight.numel()
-    library().bg_add_norm(out.data_ptr(), residual.data_ptr(), _pointer(x), weight.data_ptr(), _pointer(bias),
-                           residual.numel() // hidden, hidden, eps, NORM_KINDS[kind], DTYPE_CODES[residual.dtype],
-                           torch.get_num_threads())
+    library().bg_add_norm(out.data_ptr(), residual.data_ptr(), pointer(x), weight.data_ptr(), pointer(bias),
+                          residual.numel() // hidden, hidden, eps, NORM_KINDS[kind], DTYPE_CODES[residual.dtype],
+                          torch.get_num_threads())
 
 
 @dataclass(frozen=True)
@@ -109,24 +105,24 @@ def rope_write_kv(q_out: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tenso
     rotary_dim = cos.shape[-1] if cos.numel() else 0
     norm = qk_norm or NO_QK_NORM
     library().bg_rope_write_kv(q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), slots.shape[0],
-                                num_heads, k_cache.shape[2], head_dim, rotary_dim, _pointer(norm.q_weight),
-                                _pointer(norm.k_weight), head_dim if norm.per_head else 0, QK_NORM_KINDS[norm.kind],
-                                norm.eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads())
+                               qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), slots.shape[0],
+                               num_heads, k_cache.shape[2], head_dim, rotary_dim, pointer(norm.q_weight),
+                               pointer(norm.k_weight), head_dim if norm.per_head else 0, QK_NORM_KINDS[norm.kind],
+                               norm.eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads())
 
 
 def gelu_tanh_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     """``out = gelu_tanh(gate) * up`` where ``gate_up`` rows are gate then up (each ``out``'s width)."""
     width = out.shape[-1]
     library().bg_gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
-                                DTYPE_CODES[out.dtype], torch.get_num_threads())
+                               DTYPE_CODES[out.dtype], torch.get_num_threads())
 
 
 def silu_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     """``out = silu(gate) * up`` where ``gate_up`` rows are gate then up (each ``out``'s width)."""
     width = out.shape[-1]
     library().bg_silu_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width,
-                           DTYPE_CODES[out.dtype], torch.get_num_threads())
+                          DTYPE_CODES[out.dtype], torch.get_num_threads())
 
 
 def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -135,7 +131,7 @@ def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tens
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], width))
     library().bg_clamped_glu(out.data_ptr(), gate_up.data_ptr(), out.numel() // width, width, alpha, limit,
-                              DTYPE_CODES[out.dtype], torch.get_num_threads())
+                             DTYPE_CODES[out.dtype], torch.get_num_threads())
     return out
 
 
@@ -163,7 +159,7 @@ def moe_route(expert_ids: torch.Tensor, num_experts: int) -> MoeRoute:
     counts, rows, positions = torch.empty(num_experts + 2 * num_rows * k, dtype=torch.int64).split(
         [num_experts, num_rows * k, num_rows * k])
     library().bg_moe_route(expert_ids.data_ptr(), num_rows, k, num_experts, counts.data_ptr(), rows.data_ptr(),
-                            positions.data_ptr())
+                           positions.data_ptr())
     return MoeRoute(counts.tolist(), counts, rows, positions.view(num_rows, k))
 
 
@@ -174,5 +170,5 @@ def moe_combine(out: torch.Tensor, expert_rows: torch.Tensor, route: MoeRoute, w
     past `route`'s are 0. `weights`: [rows, k] float32, the router's weights of each (row, slot)."""
     num_rows, k = route.positions.shape
     library().bg_moe_combine(out.data_ptr(), expert_rows.data_ptr(), route.positions.data_ptr(),
-                              weights.contiguous().data_ptr(), num_rows, k, len(out), out.shape[-1],
-                              DTYPE_CODES[out.dtype], torch.get_num_threads())
+                             weights.contiguous().data_ptr(), num_rows, k, len(out), out.shape[-1],
+                             DTYPE_CODES[out.dtype], torch.get_num_threads())

@@ -140,8 +140,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
     out = x.new_empty((m, out_features // 2 if gated else out_features))
     with profiler_span(INT8_LINEAR_SPAN):
         library().bg_int8_linear(x.data_ptr(), row_stride, m, k, None if smoothing is None else smoothing.data_ptr(),
-                                  quantized, quantized + rows * k_padded, k_padded, panels.data_ptr(),
-                                  scales.data_ptr(), compensation.data_ptr(), None if bias is None else bias.data_ptr(),
-                                  out_features, GATED_ACTIVATIONS.get(gated, 0), int(split_inputs), out.data_ptr(),
-                                  torch.get_num_threads())
+                                 quantized, quantized + rows * k_padded, k_padded, panels.data_ptr(),
+                                 scales.data_ptr(), compensation.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 out_features, GATED_ACTIVATIONS.get(gated, 0), int(split_inputs), out.data_ptr(),
+                                 torch.get_num_threads())
     return out

@@ -154,8 +154,8 @@ def dequantized_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.d
     blocks = blocks.to(torch.int64).contiguous()
     out = torch.empty((len(blocks), *cache.shape[1:-1], head_dim), dtype=dtype)
     status = built.bg_kv_int8_dequantize(cache.data_ptr(), blocks.data_ptr(), len(blocks), cache.shape[0],
-                                           cache.shape[1] * cache.shape[2], head_dim, out.data_ptr(),
-                                           torch.get_num_threads())
+                                         cache.shape[1] * cache.shape[2], head_dim, out.data_ptr(),
+                                         torch.get_num_threads())
     return out if check_status("kv_int8 dequantize", status) else dequantize(cache[blocks], dtype)
 
 
