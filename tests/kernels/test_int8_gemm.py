@@ -136,7 +136,7 @@ def split(weight: int8_linear.Int8Weight) -> int8_linear.Int8Weight:
     return dataclasses.replace(weight, split_inputs=True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 33, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 33, 70, 150])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_split_product_equals_torchs_split_of_the_same_quantization(rows, threads):
     magnitudes = torch.logspace(-3, 3, rows)[:, None].bfloat16()

@@ -36,7 +36,7 @@
  * four int8 values side by side. A panel is one contiguous stream of k / 4 runs of P / 16
  * vectors: the operand layout of vpdpbusd, which adds four products per lane, and of an AMX B
  * tile (16 input quads of 16 columns, a row stride of one quad's P columns). Each thread owns a
- * contiguous range of panels.
+ * contiguous range of panels, or of rows where they are many (`bg_int8_linear`).
  *
  * AVX512-VNNI path: vpdpbusd multiplies unsigned by signed bytes, so each row's quad is taken
  * as q + 128 (its sign bit flipped) and 128 * sum(w[n]) (`compensation`, computed at packing)
@@ -171,23 +171,29 @@ static inline __m512 left_at(const uint16_t *x, const float *smoothing, int64_t 
 
 /* Row x (what `taken` left of it, where given: `left_at`) quantized into q: its input i at
  * q[(i / 64) * chunk_stride + i % 64] (chunk_stride 64: one contiguous row), zeros for inputs [k,
- * q_length); returns the quantization. */
+ * q_length) (q_length a multiple of 64); returns the quantization. The largest magnitude is kept in
+ * four running maxima (the same maximum in any order); a chunk's 64 inputs are rounded as four
+ * vectors, narrowed with saturation (as vpmovsdb narrows one) and stored as one 64-byte run. */
 static Quantization quantize_row(const uint16_t *x, const float *smoothing, const Quantization *taken, int64_t k,
                                  int8_t *q, int64_t q_length, int64_t chunk_stride) {
-    __m512 peak = _mm512_setzero_ps();
+    __m512 peaks[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t i = 0; i < k; i += 16)
-        peak = _mm512_max_ps(peak, _mm512_abs_ps(left_at(x, smoothing, i, column_mask(i, k), taken)));
-    float absmax = _mm512_reduce_max_ps(peak);
-    Quantization quantization = {absmax / 127.0f, absmax > 0.0f ? 127.0f / absmax : 0.0f};
-    for (int64_t i = 0; i < k; i += 16) {
-        __mmask16 mask = column_mask(i, k);
-        __m512i rounded = _mm512_cvtps_epi32(
-            _mm512_mul_ps(left_at(x, smoothing, i, mask, taken), _mm512_set1_ps(quantization.inverse)));
-        /* a narrowing store to memory is slow */
-        _mm_mask_storeu_epi8(q + i / INPUT_MULTIPLE * chunk_stride + i % INPUT_MULTIPLE, mask,
-                             _mm512_cvtsepi32_epi8(rounded));
+        peaks[i / 16 % 4] = _mm512_max_ps(peaks[i / 16 % 4], _mm512_abs_ps(left_at(x, smoothing, i, column_mask(i, k), taken)));
+    const float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(peaks[0], peaks[1]), _mm512_max_ps(peaks[2], peaks[3])));
+    const Quantization quantization = {absmax / 127.0f, absmax > 0.0f ? 127.0f / absmax : 0.0f};
+    const __m512 inverse = _mm512_set1_ps(quantization.inverse);
+    /* the packs narrow within 128-bit lanes: lane L holds dwords 4L .. 4L + 3 of each vector in turn */
+    const __m512i in_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (int64_t c = 0; c < q_length; c += INPUT_MULTIPLE) {
+        __m512i rounded[4];
+        for (int j = 0; j < 4; j++) {
+            const int64_t i = c + 16 * j;
+            rounded[j] = _mm512_cvtps_epi32(_mm512_mul_ps(left_at(x, smoothing, i, column_mask(i, k), taken), inverse));
+        }
+        const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(rounded[0], rounded[1]),
+                                                 _mm512_packs_epi32(rounded[2], rounded[3]));
+        _mm512_storeu_si512(q + c / INPUT_MULTIPLE * chunk_stride, _mm512_permutexvar_epi32(in_order, bytes));
     }
-    for (int64_t i = k; i < q_length; i++) q[i / INPUT_MULTIPLE * chunk_stride + i % INPUT_MULTIPLE] = 0;
     return quantization;
 }
 
@@ -444,6 +450,23 @@ static int8_t *quantized_row(int8_t *q, int64_t m, int64_t k, int64_t r, int64_t
 
 int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
 
+/* Quantized rows [first, last) of a product of `rows` quantized rows (a split product's row r is
+ * quantized rows 2r and 2r + 1, `parts` 2), each where `quantized_row` puts it, with its scale. */
+static void quantize_rows(const uint16_t *x, int64_t x_stride, int64_t k, const float *smoothing, int8_t *q,
+                          float *x_scales, int64_t k_padded, int64_t rows, int64_t parts, int64_t first, int64_t last) {
+    for (int64_t at = first; at < last; at += parts) {
+        const uint16_t *row = x + at / parts * x_stride;
+        int64_t chunk_stride;
+        int8_t *values = quantized_row(q, rows, k_padded, at, &chunk_stride);
+        const Quantization head = quantize_row(row, smoothing, 0, k, values, k_padded, chunk_stride);
+        x_scales[at] = head.scale;
+        if (parts == 2) {
+            values = quantized_row(q, rows, k_padded, at + 1, &chunk_stride);
+            x_scales[at + 1] = quantize_row(row, smoothing, &head, k, values, k_padded, chunk_stride).scale;
+        }
+    }
+}
+
 /* x [m, k] bf16 rows of row stride x_stride, each input i times smoothing[i] (float32 [k], or NULL
  * for none), quantized into q (m x k_padded bytes, each row where `quantized_row` puts it) and
  * x_scales [m]
@@ -451,32 +474,44 @@ int bg_int8_gemm_panel_columns(void) { return PANEL_COLUMNS; }
  * above for k_padded inputs, with w_scales [n] and compensation [n] (128 times each column's
  * sum); bias [n] bf16 or NULL; out [m, n] bf16, or with `gated` other than GATED_NONE (n a
  * multiple of 32, no bias) [m, n / 2]; with `split` (no `gated`), q and x_scales hold 2m rows,
- * each row's two parts. Each thread quantizes a share of the rows, then all compute their
- * panels. m may be 0: nothing is computed. */
+ * each row's two parts. m may be 0: nothing is computed.
+ *
+ * Where the quantized rows give each thread at least ROW_SPLIT_ROWS, each thread takes a range of
+ * rows (in runs of 32, an AMX block's) and quantizes and computes them against every panel: a row
+ * is read, quantized and stored by one core, and the threads wait for none of each other's
+ * (measured in docs/performance.md). Fewer rows (a decode step's) go by panels: each thread
+ * quantizes a share of the rows, then all compute their own panels over every row, so that each
+ * weight byte is read by one core. */
+#define ROW_SPLIT_ROWS 128
 void bg_int8_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const float *smoothing, int8_t *q,
                     float *x_scales,
                     int64_t k_padded, const int8_t *weight, const float *w_scales, const int32_t *compensation,
                     const uint16_t *bias, int64_t n, int gated, int split, uint16_t *out, int num_threads) {
     if (m < 1) return;
-    int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
-    if (num_threads > panels) num_threads = (int)panels;
+    const int64_t panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS, parts = split ? 2 : 1, rows = m * parts;
+    const int64_t out_width = gated ? n / 2 : n, runs = (rows + 31) / 32;
     if (num_threads < 1) num_threads = 1;
+    if (rows >= (int64_t)ROW_SPLIT_ROWS * num_threads) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+            const int64_t first = runs * thread / team * 32, end = runs * (thread + 1) / team * 32;
+            const int64_t last = end < rows ? end : rows;
+            quantize_rows(x, x_stride, k, smoothing, q, x_scales, k_padded, rows, parts, first, last);
+            if (last > first)
+                panel_range(q + first * k_padded, x_scales + first, last - first, k_padded, weight, w_scales,
+                            compensation, bias, n, gated, split, out + first / parts * out_width, 0, panels);
+        }
+        return;
+    }
+    if (num_threads > panels) num_threads = (int)panels;
 #pragma omp parallel num_threads(num_threads)
     {
-        int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t parts = split ? 2 : 1;
-        for (int64_t r = m * thread / team; r < m * (thread + 1) / team; r++) {
-            int64_t chunk_stride, at = r * parts;
-            int8_t *row = quantized_row(q, m * parts, k_padded, at, &chunk_stride);
-            Quantization first = quantize_row(x + r * x_stride, smoothing, 0, k, row, k_padded, chunk_stride);
-            x_scales[at] = first.scale;
-            if (split) {
-                row = quantized_row(q, m * parts, k_padded, at + 1, &chunk_stride);
-                x_scales[at + 1] = quantize_row(x + r * x_stride, smoothing, &first, k, row, k_padded, chunk_stride).scale;
-            }
-        }
+        const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        quantize_rows(x, x_stride, k, smoothing, q, x_scales, k_padded, rows, parts, m * thread / team * parts,
+                      m * (thread + 1) / team * parts);
 #pragma omp barrier
-        panel_range(q, x_scales, m * parts, k_padded, weight, w_scales, compensation, bias, n, gated, split, out,
+        panel_range(q, x_scales, rows, k_padded, weight, w_scales, compensation, bias, n, gated, split, out,
                     panels * thread / team, panels * (thread + 1) / team);
     }
 }
