@@ -38,7 +38,9 @@
  * lane sets of their own, and both products run on
  * tiles: the block's key rows as they lie in the pool times the lanes' queries (tokens x lanes),
  * and the lanes' 8-bit weights times the interleaved value rows. They are the same exact int32
- * sums as VNNI's, so the output is the same, bit for bit.
+ * sums as VNNI's, so the output is the same, bit for bit. The next score product is issued before
+ * the current one is taken, and each 32 dims' value sums are scaled while the tiles compute the
+ * next 32's: the tiles work while the core scales and steps the softmax.
  *
  * Shared-prefix groups (`groups`: rows (first, end, prefix), in order and disjoint; members
  * first .. end - 1, at least two, hold the same blocks for positions [0, prefix), each past it):
@@ -433,7 +435,8 @@ static inline void store_head(const __m512 *sums, float total, int head_dim, uin
 /* Tile registers of the products on tiles: a score product's sums (tokens x lanes), its keys (16
  * rows of the pool, 64 bytes of one chunk each) and queries (a chunk's 16 dwords x the lanes);
  * then the weights (lanes x the block's tokens), two value products' sums (lanes x 16 dims) and
- * a value operand (the block's 4-token groups x 16 dims). */
+ * a value operand (the block's 4-token groups x 16 dims); and the next score product's sums,
+ * issued while the core works on the current one's. */
 #define SCORE_SUMS 0
 #define KEY_ROWS 1
 #define QUERY_COLUMNS 2
@@ -441,10 +444,11 @@ static inline void store_head(const __m512 *sums, float total, int head_dim, uin
 #define VALUE_SUMS 4
 #define NEXT_VALUE_SUMS 5
 #define VALUE_ROWS 6
+#define NEXT_SCORE_SUMS 7
 
 static void configure_int8_tiles(int block_size) {
     TileConfig config = {.palette_id = 1};
-    for (int t = 0; t < 7; t++) config.rows[t] = VECTOR, config.bytes_per_row[t] = 64;
+    for (int t = 0; t < 8; t++) config.rows[t] = VECTOR, config.bytes_per_row[t] = 64;
     config.bytes_per_row[WEIGHT_ROWS] = (uint16_t)block_size;
     config.rows[VALUE_ROWS] = (uint8_t)(block_size / 4);
     _tile_loadconfig(&config);
@@ -462,58 +466,101 @@ static void lane_query_tiles(const Lanes *lanes, const Queries *queries, const i
     }
 }
 
-/* lane_scores on tiles, for lanes of one kv head whose block rows start at `keys`: per 16 tokens,
- * the keys as they lie times the lanes' queries (exact int8 dot products, tokens x lanes), then
- * times each lane's query scale and each token's key scale, as lane_scores computes them; the
- * value scales are the kv head's. */
-static inline __attribute__((always_inline)) void tile_scores(const Item *item, const Lanes *lanes,
-                                                              int32_t (*query_tiles)[DWORDS][VECTOR], const int8_t *keys,
-                                                              const int chunks, ItemState *state) {
+/* The score product of lanes of one kv head with 16 tokens of a block (from `first`; its rows
+ * start at `keys`) into tile `sums` (SCORE_SUMS or NEXT_SCORE_SUMS): the keys as they lie times the
+ * lanes' queries, exact int8 dot products (tokens x lanes). Only issued: `take_scores` stores it,
+ * so the tiles compute it while the core does other work. */
+static inline __attribute__((always_inline)) void issue_scores(const Item *item, const int8_t *keys, int first,
+                                                               int32_t (*query_tiles)[DWORDS][VECTOR], const int chunks,
+                                                               int sums) {
+    if (sums == SCORE_SUMS) _tile_zero(SCORE_SUMS);
+    else _tile_zero(NEXT_SCORE_SUMS);
+    for (int c = 0; c < chunks; c++) {
+        _tile_loadd(KEY_ROWS, keys + first * item->token_stride + c * CHUNK, item->token_stride);
+        _tile_loadd(QUERY_COLUMNS, query_tiles[c], 64);
+        if (sums == SCORE_SUMS) _tile_dpbssd(SCORE_SUMS, KEY_ROWS, QUERY_COLUMNS);
+        else _tile_dpbssd(NEXT_SCORE_SUMS, KEY_ROWS, QUERY_COLUMNS);
+    }
+}
+
+/* An issued score product (tile `sums`) of the lanes with the block's tokens first .. first + 15,
+ * times each lane's query scale and each token's key scale, into state->scores, as lane_scores
+ * computes them, and the tokens' value scales (the kv head's) into state->scales. */
+static inline __attribute__((always_inline)) void take_scores(const Lanes *lanes, int first, int sums,
+                                                              ItemState *state) {
     const Layouts *l = &state->layouts;
     const __m512 scales = _mm512_load_ps(lanes->query_scales);
     const float *key_scale = (const float *)key_scales(l, lanes->kvs[0]), *value_scale = value_scales(l, lanes->kvs[0]);
-    for (int first = 0; first < l->count; first += VECTOR) {
-        _tile_zero(SCORE_SUMS);
-        for (int c = 0; c < chunks; c++) {
-            _tile_loadd(KEY_ROWS, keys + first * item->token_stride + c * CHUNK, item->token_stride);
-            _tile_loadd(QUERY_COLUMNS, query_tiles[c], 64);
-            _tile_dpbssd(SCORE_SUMS, KEY_ROWS, QUERY_COLUMNS);
-        }
-        _tile_stored(SCORE_SUMS, state->products[0], 64);
-        for (int t = 0; t < VECTOR && first + t < l->count; t++) {
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(state->products[0][t]));
-            state->scores[first + t] = _mm512_mul_ps(_mm512_mul_ps(dot, scales), _mm512_set1_ps(key_scale[first + t]));
-            state->scales[first + t] = _mm512_set1_ps(value_scale[first + t]);
-        }
+    if (sums == SCORE_SUMS) _tile_stored(SCORE_SUMS, state->products[0], 64);
+    else _tile_stored(NEXT_SCORE_SUMS, state->products[0], 64);
+    for (int t = 0; t < VECTOR && first + t < l->count; t++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(state->products[0][t]));
+        state->scores[first + t] = _mm512_mul_ps(_mm512_mul_ps(dot, scales), _mm512_set1_ps(key_scale[first + t]));
+        state->scales[first + t] = _mm512_set1_ps(value_scale[first + t]);
+    }
+}
+
+/* Each lane's sums k and k + 1 (add_values' order) times its correction, plus the int32 sums of
+ * those dims' value products (state->products[k], [k + 1], a row a lane) times its step. */
+static inline __attribute__((always_inline)) void rescale_pair(const Lanes *lanes, int k, const int chunks,
+                                                               ItemState *state) {
+    for (int i = 0; i < lanes->n; i++) {
+        __m512 *sums = state->sums + lanes->heads[i] * chunks * 4;
+        const __m512 step = _mm512_set1_ps(state->steps[i]), correction = _mm512_set1_ps(state->corrections[i]);
+        for (int j = k; j < k + 2; j++) sums[j] = rescaled(sums[j], _mm512_load_si512(state->products[j][i]), step, correction);
     }
 }
 
 /* add_values on tiles for every lane: the lanes' 8-bit weights (lanes x tokens) times the block's
  * value rows (4 tokens x 16 dims a row), 32 dims at a time; the same int32 sums as add_values',
- * scaled into each lane's sums as it does. */
+ * scaled into each lane's sums as it does, each 32 dims' while the tiles compute the next 32's. */
 static inline __attribute__((always_inline)) void tile_values(const Lanes *lanes, const int chunks, ItemState *state) {
     const Layouts *l = &state->layouts;
     const int quads = (l->count + 3) / 4;
     for (int q = 0; q < VECTOR; q++) state->weight_rows[q] = q < quads ? state->words[q] : _mm512_setzero_si512();
     transpose_dwords(state->weight_rows); /* row i: lane i's weights, token by token */
     _tile_loadd(WEIGHT_ROWS, state->weight_rows, 64);
-    for (int c = 0; c < chunks; c++)
-        for (int j = 0; j < 4; j += 2) {
-            const __m512i *values = value_vectors(l, lanes->kvs[0], c, 0);
-            _tile_zero(VALUE_SUMS);
-            _tile_zero(NEXT_VALUE_SUMS);
-            _tile_loadd(VALUE_ROWS, values + j, 4 * 64);
-            _tile_dpbusd(VALUE_SUMS, WEIGHT_ROWS, VALUE_ROWS);
-            _tile_loadd(VALUE_ROWS, values + j + 1, 4 * 64);
-            _tile_dpbusd(NEXT_VALUE_SUMS, WEIGHT_ROWS, VALUE_ROWS);
-            _tile_stored(VALUE_SUMS, state->products[c * 4 + j], 64);
-            _tile_stored(NEXT_VALUE_SUMS, state->products[c * 4 + j + 1], 64);
+    for (int k = 0; k < chunks * 4; k += 2) {
+        const __m512i *values = value_vectors(l, lanes->kvs[0], k / 4, 0) + k % 4;
+        _tile_zero(VALUE_SUMS);
+        _tile_zero(NEXT_VALUE_SUMS);
+        _tile_loadd(VALUE_ROWS, values, 4 * 64);
+        _tile_dpbusd(VALUE_SUMS, WEIGHT_ROWS, VALUE_ROWS);
+        _tile_loadd(VALUE_ROWS, values + 1, 4 * 64);
+        _tile_dpbusd(NEXT_VALUE_SUMS, WEIGHT_ROWS, VALUE_ROWS);
+        if (k > 0) rescale_pair(lanes, k - 2, chunks, state);
+        _tile_stored(VALUE_SUMS, state->products[k], 64);
+        _tile_stored(NEXT_VALUE_SUMS, state->products[k + 1], 64);
+    }
+    rescale_pair(lanes, chunks * 4 - 2, chunks, state);
+}
+
+/* A block laid out (`lay_out_block`) attended on tiles by every lane set, set by set: scores,
+ * softmax step, values. The score products go in a pipeline over (set, 16 tokens) in turn: each
+ * is issued before the one before it is taken, into the other of two tiles, so that the tiles
+ * compute it during that one's scaling, softmax step and value products (the same products as
+ * taken one at a time). The lines of `ahead` are asked for between the steps. */
+static inline __attribute__((always_inline)) void attend_block_on_tiles(const Item *item, Lanes *all, int num_sets,
+                                                                        const int8_t *block_rows, int row_bytes,
+                                                                        const int chunks, Ahead *ahead, int lines,
+                                                                        ItemState *state) {
+    const int groups = (state->layouts.count + VECTOR - 1) / VECTOR, pairs = num_sets * groups;
+    issue_scores(item, block_rows + all[0].kvs[0] * row_bytes, 0, state->query_tiles, chunks, SCORE_SUMS);
+    for (int s = 0; s < num_sets; s++) {
+        for (int g = 0; g < groups; g++) {
+            const int pair = s * groups + g, next = pair + 1;
+            if (next < pairs) {
+                const int next_set = next / groups;
+                issue_scores(item, block_rows + all[next_set].kvs[0] * row_bytes, next % groups * VECTOR,
+                             state->query_tiles + next_set * chunks, chunks, next % 2 ? NEXT_SCORE_SUMS : SCORE_SUMS);
+            }
+            take_scores(&all[s], g * VECTOR, pair % 2 ? NEXT_SCORE_SUMS : SCORE_SUMS, state);
         }
-    for (int i = 0; i < lanes->n; i++) {
-        __m512 *sums = state->sums + lanes->heads[i] * chunks * 4;
-        const __m512 step = _mm512_set1_ps(state->steps[i]), correction = _mm512_set1_ps(state->corrections[i]);
-        for (int k = 0; k < chunks * 4; k++)
-            sums[k] = rescaled(sums[k], _mm512_load_si512(state->products[k][i]), step, correction);
+        fetch_ahead(ahead, lines);
+        lane_weights(&all[s], state);
+        fetch_ahead(ahead, lines);
+        tile_values(&all[s], chunks, state);
+        fetch_ahead(ahead, lines * all[s].n);
     }
 }
 #endif
@@ -561,19 +608,13 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
                           chunks, h, on_tiles, &state->layouts);
             fetch_ahead(&ahead, lines);
         }
-        for (int s = 0; s < num_sets; s++) {
 #if HAS_TILES
-            if (on_tiles) {
-                tile_scores(item, &all[s], state->query_tiles + s * chunks,
-                            item->k_cache + first_byte + all[s].kvs[0] * row_bytes, chunks, state);
-                fetch_ahead(&ahead, lines);
-                lane_weights(&all[s], state);
-                fetch_ahead(&ahead, lines);
-                tile_values(&all[s], chunks, state);
-                fetch_ahead(&ahead, lines * all[s].n);
-                continue;
-            }
+        if (on_tiles) {
+            attend_block_on_tiles(item, all, num_sets, item->k_cache + first_byte, row_bytes, chunks, &ahead, lines, state);
+            continue;
+        }
 #endif
+        for (int s = 0; s < num_sets; s++) {
             lane_scores(&all[s], chunks, state);
             fetch_ahead(&ahead, lines);
             lane_weights(&all[s], state);
