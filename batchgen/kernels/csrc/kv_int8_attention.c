@@ -38,9 +38,10 @@
  * lane sets of their own, and both products run on
  * tiles: the block's key rows as they lie in the pool times the lanes' queries (tokens x lanes),
  * and the lanes' 8-bit weights times the interleaved value rows. They are the same exact int32
- * sums as VNNI's, so the output is the same, bit for bit. The next score product is issued before
- * the current one is taken, and each 32 dims' value sums are scaled while the tiles compute the
- * next 32's: the tiles work while the core scales and steps the softmax.
+ * sums as VNNI's, so the output is the same, bit for bit. The next score product (the next block's
+ * first after a block's last) is issued before the current one is taken, and each 32 dims' value
+ * sums are scaled while the tiles compute the next 32's: the tiles work while the core scales and
+ * steps the softmax.
  *
  * Shared-prefix groups (`groups`: rows (first, end, prefix), in order and disjoint; members
  * first .. end - 1, at least two, hold the same blocks for positions [0, prefix), each past it):
@@ -535,26 +536,39 @@ static inline __attribute__((always_inline)) void tile_values(const Lanes *lanes
     rescale_pair(lanes, chunks * 4 - 2, chunks, state);
 }
 
+/* The tile of a block's score product `p` (0 its first): its first's (`first`), then the other
+ * one, in turn. */
+static inline int product_tile(int p, int first) {
+    return (p % 2 == 0) == (first == SCORE_SUMS) ? SCORE_SUMS : NEXT_SCORE_SUMS;
+}
+
 /* A block laid out (`lay_out_block`) attended on tiles by every lane set, set by set: scores,
- * softmax step, values. The score products go in a pipeline over (set, 16 tokens) in turn: each
- * is issued before the one before it is taken, into the other of two tiles, so that the tiles
- * compute it during that one's scaling, softmax step and value products (the same products as
- * taken one at a time). The lines of `ahead` are asked for between the steps. */
-static inline __attribute__((always_inline)) void attend_block_on_tiles(const Item *item, Lanes *all, int num_sets,
-                                                                        const int8_t *block_rows, int row_bytes,
-                                                                        const int chunks, Ahead *ahead, int lines,
-                                                                        ItemState *state) {
+ * softmax step, values. The score products go in a pipeline over (set, 16 tokens) in turn, on into
+ * the next block's first (its rows at `next_rows`; NULL for the last block): each is issued before
+ * the one before it is taken, into the other of two tiles, so that the tiles compute it during
+ * that one's scaling, softmax step and value products (the same products as taken one at a time).
+ * `first_tile` is the tile of this block's first product where the block before issued it (else
+ * -1); returns the tile of the next block's. The lines of `ahead` are asked for between the steps. */
+static inline __attribute__((always_inline)) int attend_block_on_tiles(const Item *item, Lanes *all, int num_sets,
+                                                                       const int8_t *rows, const int8_t *next_rows,
+                                                                       int first_tile, int row_bytes, const int chunks,
+                                                                       Ahead *ahead, int lines, ItemState *state) {
     const int groups = (state->layouts.count + VECTOR - 1) / VECTOR, pairs = num_sets * groups;
-    issue_scores(item, block_rows + all[0].kvs[0] * row_bytes, 0, state->query_tiles, chunks, SCORE_SUMS);
+    if (first_tile < 0) {
+        issue_scores(item, rows + all[0].kvs[0] * row_bytes, 0, state->query_tiles, chunks, SCORE_SUMS);
+        first_tile = SCORE_SUMS;
+    }
     for (int s = 0; s < num_sets; s++) {
         for (int g = 0; g < groups; g++) {
             const int pair = s * groups + g, next = pair + 1;
             if (next < pairs) {
                 const int next_set = next / groups;
-                issue_scores(item, block_rows + all[next_set].kvs[0] * row_bytes, next % groups * VECTOR,
-                             state->query_tiles + next_set * chunks, chunks, next % 2 ? NEXT_SCORE_SUMS : SCORE_SUMS);
+                issue_scores(item, rows + all[next_set].kvs[0] * row_bytes, next % groups * VECTOR,
+                             state->query_tiles + next_set * chunks, chunks, product_tile(next, first_tile));
+            } else if (next_rows != 0) {
+                issue_scores(item, next_rows + all[0].kvs[0] * row_bytes, 0, state->query_tiles, chunks, product_tile(next, first_tile));
             }
-            take_scores(&all[s], g * VECTOR, pair % 2 ? NEXT_SCORE_SUMS : SCORE_SUMS, state);
+            take_scores(&all[s], g * VECTOR, product_tile(pair, first_tile), state);
         }
         fetch_ahead(ahead, lines);
         lane_weights(&all[s], state);
@@ -562,6 +576,7 @@ static inline __attribute__((always_inline)) void attend_block_on_tiles(const It
         tile_values(&all[s], chunks, state);
         fetch_ahead(ahead, lines * all[s].n);
     }
+    return next_rows != 0 ? product_tile(pairs, first_tile) : -1;
 }
 #endif
 
@@ -593,6 +608,9 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
     for (int s = 0; s < num_sets && on_tiles; s++)
         lane_query_tiles(&all[s], &state->queries, chunks, state->query_tiles + s * chunks);
 #endif
+#if HAS_TILES
+    int first_tile = -1; /* on tiles: where the block before issued this block's first score product */
+#endif
     for (int start = from_block * item->block_size; start < context; start += item->block_size) {
         state->layouts.count = context - start < item->block_size ? context - start : item->block_size;
         const int64_t first_byte = (int64_t)table[start / item->block_size] * item->block_size * item->token_stride;
@@ -610,7 +628,12 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
         }
 #if HAS_TILES
         if (on_tiles) {
-            attend_block_on_tiles(item, all, num_sets, item->k_cache + first_byte, row_bytes, chunks, &ahead, lines, state);
+            const int next_start = start + item->block_size;
+            const int8_t *next_rows = next_start < context ? item->k_cache + (int64_t)table[next_start / item->block_size]
+                                                                                * item->block_size * item->token_stride
+                                                           : 0;
+            first_tile = attend_block_on_tiles(item, all, num_sets, item->k_cache + first_byte, next_rows, first_tile,
+                                               row_bytes, chunks, &ahead, lines, state);
             continue;
         }
 #endif
