@@ -566,7 +566,8 @@ static inline __attribute__((always_inline)) int attend_block_on_tiles(const Ite
                 issue_scores(item, rows + all[next_set].kvs[0] * row_bytes, next % groups * VECTOR,
                              state->query_tiles + next_set * chunks, chunks, product_tile(next, first_tile));
             } else if (next_rows != 0) {
-                issue_scores(item, next_rows + all[0].kvs[0] * row_bytes, 0, state->query_tiles, chunks, product_tile(next, first_tile));
+                issue_scores(item, next_rows + all[0].kvs[0] * row_bytes, 0, state->query_tiles, chunks,
+                             product_tile(next, first_tile));
             }
             take_scores(&all[s], g * VECTOR, product_tile(pair, first_tile), state);
         }
@@ -607,8 +608,6 @@ static inline __attribute__((always_inline)) void attend_positions(const Item *i
 #if HAS_TILES
     for (int s = 0; s < num_sets && on_tiles; s++)
         lane_query_tiles(&all[s], &state->queries, chunks, state->query_tiles + s * chunks);
-#endif
-#if HAS_TILES
     int first_tile = -1; /* on tiles: where the block before issued this block's first score product */
 #endif
     for (int start = from_block * item->block_size; start < context; start += item->block_size) {
