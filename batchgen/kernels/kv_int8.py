@@ -88,7 +88,13 @@ def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    library = load_library("kv_int8_attention.c")
+    return load_build()
+
+
+def load_build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """A build of ``kv_int8_attention.c`` that holds the kernels, with their signatures set, or None;
+    `extra_flags` add to the compiler's (``-mno-amx-int8``: every product on VNNI on a CPU with AMX)."""
+    library = load_library("kv_int8_attention.c", extra_flags)
     if library is None or not library.bg_kv_int8_attention_available():
         return None
     library.bg_kv_int8_decode_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float,

@@ -209,6 +209,41 @@ def test_shared_prefix_groups_read_once_give_each_member_its_output_alone(num_he
 
 
 @needs_kernel
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 128, 32),
+                                                                           (12, 4, 64, 16), (16, 16, 64, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scores_on_tiles_give_the_bits_of_the_vnni_build(num_heads, num_kv_heads, head_dim, block_size, threads,
+                                                        monkeypatch):
+    from batchgen.kernels.attention_kernel import PagedSeqs
+    from batchgen.kernels.shared_prefixes import prefix_groups
+    from tests.conftest import torch_threads
+
+    # Where the CPU has AMX-INT8, a group's shared blocks that give a kv head 16 query heads or more
+    # run on tiles (here the group of 6 members where a kv head has 3 query heads: 18); the build
+    # without AMX-INT8 runs every product on VNNI.
+    generator = torch.Generator().manual_seed(num_heads + head_dim)
+    pool = kv_int8.quantize(torch.randn(2, 60, block_size, num_kv_heads, head_dim, generator=generator) * 2)
+    own = torch.randperm(50, generator=generator)[:24].view(8, 3) + 10
+    prefix = torch.arange(4)
+    rows = [own[0], own[1], *(torch.cat([prefix, own[2 + m]]) for m in range(6))]  # 2 alone, a group of 6
+    width = max(len(r) for r in rows)
+    tables = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows]).to(torch.int32)
+    lens = torch.tensor([(len(r) - 1) * block_size + 1 + 3 * i % block_size for i, r in enumerate(rows)],
+                        dtype=torch.int32)
+    groups = torch.tensor(prefix_groups(tables.tolist(), lens.tolist(), [1] * len(rows), block_size), dtype=torch.int32)
+    q = torch.randn(len(rows), num_heads, head_dim, generator=generator).bfloat16()
+    outputs = []
+    for build in (kv_int8.library(), kv_int8.load_build(("-mno-amx-int8",))):
+        monkeypatch.setattr(kv_int8, "library", lambda build=build: build)
+        for seqs in (PagedSeqs(tables, lens), PagedSeqs(tables, lens, groups)):
+            out = torch.empty_like(q)
+            with torch_threads(threads):
+                assert kv_int8.paged_decode_attention(q, pool[0], pool[1], seqs, head_dim ** -0.5, out)
+            outputs.append(out)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+@needs_kernel
 def test_int8_kernels_decline_what_they_do_not_run_and_name_a_bad_block_or_slot():
     from batchgen.kernels.attention_kernel import AttentionVariant, PagedSeqs
 
