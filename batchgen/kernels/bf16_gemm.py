@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.c_library import load_library
+from batchgen.kernels.c_library import load_library, pointer
 from batchgen.kernels.profiler_spans import BF16_LINEAR_SPAN, profiler_span
 
 UNLIMITED_ROWS = 2**63 - 1  # `max_rows()` of a kernel that beats oneDNN at every row count
@@ -92,9 +92,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     x = x.contiguous()
     out = x.new_empty((x.shape[0], out_features))
     with profiler_span(BF16_LINEAR_SPAN):
-        library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out_features, out.data_ptr(),
-                                 torch.get_num_threads())
+        library().bg_bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), pointer(bias), out_features,
+                                 out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -123,6 +122,5 @@ def linear_groups(x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, 
     out = x.new_empty((x.shape[0], out_features))
     with profiler_span(BF16_LINEAR_SPAN):
         library().bg_bf16_linear_groups(x.data_ptr(), counts.data_ptr(), len(counts), x.shape[1], weights.data_ptr(),
-                                        None if biases is None else biases.data_ptr(), out_features, out.data_ptr(),
-                                        torch.get_num_threads())
+                                        pointer(biases), out_features, out.data_ptr(), torch.get_num_threads())
     return out

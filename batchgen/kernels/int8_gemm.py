@@ -28,7 +28,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.c_library import load_library
+from batchgen.kernels.c_library import load_library, pointer
 from batchgen.kernels.profiler_spans import INT8_LINEAR_SPAN, profiler_span
 
 AMX_PANEL_COLUMNS = 32  # the AMX path's panel width (the VNNI path's is 96)
@@ -139,9 +139,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, compensation: torch.Tensor, sc
     quantized = scratch_address(rows * (k_padded + 4))  # the rows' int8 values, then their float32 scales
     out = x.new_empty((m, out_features // 2 if gated else out_features))
     with profiler_span(INT8_LINEAR_SPAN):
-        library().bg_int8_linear(x.data_ptr(), row_stride, m, k, None if smoothing is None else smoothing.data_ptr(),
-                                 quantized, quantized + rows * k_padded, k_padded, panels.data_ptr(),
-                                 scales.data_ptr(), compensation.data_ptr(), None if bias is None else bias.data_ptr(),
-                                 out_features, GATED_ACTIVATIONS.get(gated, 0), int(split_inputs), out.data_ptr(),
-                                 torch.get_num_threads())
+        library().bg_int8_linear(x.data_ptr(), row_stride, m, k, pointer(smoothing), quantized,
+                                 quantized + rows * k_padded, k_padded, panels.data_ptr(), scales.data_ptr(),
+                                 compensation.data_ptr(), pointer(bias), out_features, GATED_ACTIVATIONS.get(gated, 0),
+                                 int(split_inputs), out.data_ptr(), torch.get_num_threads())
     return out

@@ -36,7 +36,7 @@ import torch
 
 from batchgen.kernels.attention_kernel import (FULL, SCALE_BYTES, AttentionKernel, AttentionVariant, PagedSeqs,
                                                check_inputs, head_dim_of)
-from batchgen.kernels.c_library import load_library
+from batchgen.kernels.c_library import load_library, pointer
 from batchgen.kernels.kernel_status import check_status
 
 KV_CACHE_DTYPES = ("auto", "int8")  # the engine option's values: auto is the model's dtype
@@ -145,9 +145,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     status = built.bg_kv_int8_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.block_tables.data_ptr(),
-        seqs.context_lens.data_ptr(), None if seqs.groups is None else seqs.groups.data_ptr(), seqs.num_groups,
-        len(seqs.context_lens), q.shape[1], num_kv_heads, head_dim_of(k_cache),
-        num_blocks, block_size, seqs.block_tables.shape[1], scale, torch.get_num_threads())
+        seqs.context_lens.data_ptr(), pointer(seqs.groups), seqs.num_groups, len(seqs.context_lens), q.shape[1],
+        num_kv_heads, head_dim_of(k_cache), num_blocks, block_size, seqs.block_tables.shape[1], scale,
+        torch.get_num_threads())
     return check_status("kv_int8 paged_decode_attention", status)
 
 

@@ -144,15 +144,15 @@ static int attention(const Kernels *kernels, const Step *step, const Layer *laye
                                   num_heads, num_kv_heads, head_dim, step->num_blocks, step->block_size,
                                   step->max_blocks, layer->scale, 0, 0.0f, 0, DTYPE_BF16, step->num_threads);
     const int64_t qkv_width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
-    int status = step->kv_store(step->keys, (int64_t)num_kv_heads * head_dim,
-                                   step->qkv + (int64_t)(num_heads + num_kv_heads) * head_dim, qkv_width,
-                                   pool->k_cache, pool->v_cache, step->slots, step->num_tokens, num_kv_heads, head_dim,
-                                   step->num_slots, step->num_threads);
+    const int status = step->kv_store(step->keys, (int64_t)num_kv_heads * head_dim,
+                                      step->qkv + (int64_t)(num_heads + num_kv_heads) * head_dim, qkv_width,
+                                      pool->k_cache, pool->v_cache, step->slots, step->num_tokens, num_kv_heads,
+                                      head_dim, step->num_slots, step->num_threads);
     if (status != STATUS_OK) return status;
     return step->int8_decode(step->attended, step->heads, pool->k_cache, pool->v_cache, step->block_tables,
-                                     step->context_lens, step->groups, step->num_groups, step->num_tokens, num_heads,
-                                     num_kv_heads, head_dim, step->num_blocks, step->block_size, step->max_blocks,
-                                     layer->scale, step->num_threads);
+                             step->context_lens, step->groups, step->num_groups, step->num_tokens, num_heads,
+                             num_kv_heads, head_dim, step->num_blocks, step->block_size, step->max_blocks,
+                             layer->scale, step->num_threads);
 }
 
 /* out = the MLP of the normed rows: the gated product's act(gate) * up (its own, or the layer's
